@@ -1,0 +1,36 @@
+"""Options shared by several commands."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import typer
+
+from sekv_core.methods import DEFAULT_METHOD
+
+MODEL_HELP = "embedded model name (see `sekv models list`), a local HF model directory, or a hub id with SEKV_ONLINE=1"
+ModelOpt = typer.Option(None, "--model", "-m", help=MODEL_HELP)
+DeviceOpt = typer.Option(None, "--device", help="cpu, cuda or cuda:N (default: cuda when available)")
+MethodOpt = typer.Option(None, "--method", help=f"cache method (default at ingest: {DEFAULT_METHOD})")
+BudgetOpt = typer.Option(None, "--budget", min=0.0, max=1.0, help="resident KV budget as a fraction of the full KV cache (sekv)")
+
+
+def method_overrides(budget: float | None) -> dict:
+    return {"budget": budget} if budget is not None else {}
+
+
+def user_errors(fn):
+    """Turn SekvError into one line on stderr and a non-zero exit (also under Typer's test runner)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from sekv_core.errors import SekvError
+
+        try:
+            return fn(*args, **kwargs)
+        except SekvError as e:
+            print(f"sekv: error: {e}", file=sys.stderr)
+            raise typer.Exit(e.exit_code) from None
+
+    return wrapper

@@ -1,0 +1,91 @@
+"""Rich helpers shared by the commands: consoles, byte formatting, progress, stats tables."""
+
+from __future__ import annotations
+
+import contextlib
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+out = Console()  # answers and reports
+err = Console(stderr=True)  # progress, stats and errors: stdout stays clean for --json and pipes
+
+
+def human_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+@contextlib.contextmanager
+def model_progress(enabled: bool = True):
+    """Progress callback for model installation (join chunks, dequantise)."""
+    if not enabled:
+        yield None
+        return
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(), console=err, transient=True) as p:
+        task = p.add_task("model", total=1)
+
+        def cb(stage: str, done: int, total: int) -> None:
+            p.update(task, description=stage, completed=done, total=max(total, 1))
+
+        yield cb
+
+
+@contextlib.contextmanager
+def token_progress(description: str, enabled: bool = True):
+    """Progress bar over tokens with a tokens/s readout."""
+    if not enabled:
+        yield None
+        return
+    cols = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} tok"),
+        TextColumn("{task.fields[rate]}"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*cols, console=err, transient=False) as p:
+        task = p.add_task(description, total=None, rate="")
+
+        def cb(done: int, total: int) -> None:
+            t = p.tasks[task]
+            rate = done / t.elapsed if t.elapsed else 0.0
+            p.update(task, completed=done, total=total, rate=f"{rate:.0f} tok/s")
+
+        yield cb
+
+
+def kv_table(title: str, rows: list[tuple[str, str]]) -> Table:
+    t = Table(title=title, show_header=False, title_justify="left", box=None, pad_edge=False)
+    t.add_column(style="dim")
+    t.add_column()
+    for k, v in rows:
+        t.add_row(k, v)
+    return t
+
+
+def stats_rows(stats: dict, method: str, budget) -> list[tuple[str, str]]:
+    full = stats.get("full_kv_bytes") or 0
+    res = stats.get("resident_kv_bytes_peak") or 0
+    share = f" ({100 * res / full:.1f}% of full {human_bytes(full)})" if full else ""
+    rows = [
+        ("method", method + (f", budget {budget:.0%}" if isinstance(budget, float) else "")),
+        ("time to first token", f"{stats['ttft_s'] * 1000:.0f} ms ({stats['question_tokens']} question tokens)"),
+        ("decode", f"{stats['tokens_per_s']:.1f} tok/s, {stats['generated_tokens']} tokens ({stats['stop_reason']})"),
+        ("resident KV (peak)", human_bytes(res) + share),
+    ]
+    if stats.get("gpu_peak_bytes") is not None:
+        rows.append(("peak GPU memory", human_bytes(stats["gpu_peak_bytes"])))
+    rows.append(("process RSS", human_bytes(stats.get("rss_bytes"))))
+    extra = stats.get("extra") or {}
+    if "zoom_spans_total" in extra:
+        rows.append(("spans zoomed", f"{extra['zoom_spans_total']} distinct this answer"))
+        rows.append(("CPU->device", human_bytes(extra.get("h2d_bytes_total"))))
+    return rows

@@ -1,0 +1,108 @@
+"""Decoding from a KV memory: question tokens, then greedy tokens, with timing and memory stats."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import psutil
+import torch
+
+from . import runtime
+from .methods.base import KVMemory
+
+
+@dataclass
+class DecodeStats:
+    question_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0  # question prefill + first token
+    decode_s: float = 0.0  # after the first token
+    tokens_per_s: float = 0.0  # generated tokens after the first / decode_s
+    resident_kv_bytes_peak: int = 0  # peak KV bytes on the compute device during any step
+    full_kv_bytes: int = 0  # what the full KV of the same tokens would take
+    gpu_peak_bytes: int | None = None  # torch.cuda.max_memory_allocated, when on CUDA
+    rss_bytes: int = 0  # process resident set size at the end
+    stop_reason: str = ""
+    extra: dict = field(default_factory=dict)  # method-specific (zoom statistics, ...)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def generate(
+    model,
+    memory: KVMemory,
+    question_ids: list[int],
+    *,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    on_token: Callable[[int], None] | None = None,
+    on_step: Callable[[KVMemory], None] | None = None,
+) -> tuple[list[int], DecodeStats]:
+    device = next(model.parameters()).device
+    stats = DecodeStats(question_tokens=len(question_ids))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    head = model.get_output_embeddings()
+    out: list[int] = []
+    ids = torch.tensor([question_ids], device=device)
+    t0 = time.perf_counter()
+    t_first = None
+    peak = 0
+    while True:
+        memory.begin_step(ids.shape[1])
+        hidden = runtime.forward_hidden(model, ids, memory.n_tokens(), memory)
+        with torch.inference_mode():
+            nxt = int(head(hidden[:, -1]).argmax(-1).item())
+        memory.end_step()
+        peak = max(peak, memory.step_stats().resident_bytes)
+        if on_step:
+            on_step(memory)
+        if t_first is None:
+            _sync(device)
+            t_first = time.perf_counter()
+        if nxt in stop_ids:
+            stats.stop_reason = "stop token"
+            break
+        out.append(nxt)
+        if on_token:
+            on_token(nxt)
+        if len(out) >= max_new_tokens:
+            stats.stop_reason = "max_new_tokens"
+            break
+        ids = torch.tensor([[nxt]], device=device)
+    _sync(device)
+    t_end = time.perf_counter()
+    stats.generated_tokens = len(out)
+    stats.ttft_s = t_first - t0
+    stats.decode_s = t_end - t_first
+    stats.tokens_per_s = (len(out) - 1) / stats.decode_s if len(out) > 1 and stats.decode_s > 0 else 0.0
+    stats.resident_kv_bytes_peak = peak
+    stats.full_kv_bytes = memory.full_bytes()
+    if device.type == "cuda":
+        stats.gpu_peak_bytes = int(torch.cuda.max_memory_allocated(device))
+    stats.rss_bytes = psutil.Process().memory_info().rss
+    return out, stats
+
+
+class TextStream:
+    """Incremental detokenisation: emits only complete new text (no half UTF-8 characters)."""
+
+    def __init__(self, tokenizer, emit: Callable[[str], None]):
+        self.tok, self.emit, self.ids, self.sent = tokenizer, emit, [], 0
+
+    def __call__(self, token_id: int) -> None:
+        self.ids.append(token_id)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        if len(text) > self.sent:
+            self.emit(text[self.sent :])
+            self.sent = len(text)

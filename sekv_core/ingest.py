@@ -1,0 +1,130 @@
+"""Ingest: document -> prompt tokens -> prefill once -> cache method -> context pack."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from . import __version__, methods, models, prompt
+from .documents import Document, load_document
+from .errors import DocumentError
+from .methods.base import ModelShape
+from .pack import FORMAT_VERSION, write_pack
+from .prefill import DEFAULT_CHUNK, prefill
+
+#: tokens kept free after the document for the question and the answer
+RESERVE_TOKENS = 512
+
+
+@dataclass
+class IngestResult:
+    pack_path: Path
+    n_tokens: int
+    pack_bytes: int
+    raw_kv_fp16_bytes: int
+    prefill_s: float
+    compress_s: float
+    write_s: float
+    total_s: float
+    method: str
+    params: dict[str, Any]
+
+
+def default_pack_path(doc: Path) -> Path:
+    """report.pdf -> report.sekv, beside the document."""
+    return doc.with_suffix(".sekv")
+
+
+def tokenize_document(lm: models.LoadedModel, doc: Document) -> tuple[list[int], list[list[int]]]:
+    """Token ids of the document prefix, and the token -> page map as [page, start, end) runs."""
+    text = prompt.document_prefix(lm.tokenizer, doc.text)
+    doc_start = text.index(doc.text) if doc.text else 0
+    enc = lm.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"]
+    runs: list[list[int]] = []
+    for i, (a, _b) in enumerate(enc["offset_mapping"]):
+        rel = a - doc_start
+        page = doc.page_at(rel) if 0 <= rel < len(doc.text) else 0
+        if runs and runs[-1][0] == page:
+            runs[-1][2] = i + 1
+        else:
+            runs.append([page, i, i + 1])
+    return ids, runs
+
+
+def check_fits(lm: models.LoadedModel, doc: Document, n_tokens: int) -> None:
+    window = models.context_window(lm.config)
+    if window and n_tokens + RESERVE_TOKENS > window:
+        raise DocumentError(
+            f"{doc.path}: the document is {n_tokens} tokens (+{RESERVE_TOKENS} reserved for the question and answer), "
+            f"longer than {lm.model_id}'s context window of {window} tokens; split it or use a model with a longer context"
+        )
+
+
+def ingest(
+    doc_path: str | Path,
+    out: str | Path | None = None,
+    *,
+    lm: models.LoadedModel,
+    method: str = methods.DEFAULT_METHOD,
+    params: dict[str, Any] | None = None,
+    chunk: int = DEFAULT_CHUNK,
+    on_tokens: Callable[[int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> IngestResult:
+    t0 = time.perf_counter()
+    doc = load_document(doc_path)
+    cache_method = methods.get(method)
+    params = cache_method.resolve_params(params)
+    out_path = Path(out) if out else default_pack_path(doc.path)
+    ids, page_runs = tokenize_document(lm, doc)
+    check_fits(lm, doc, len(ids))
+    if on_tokens:
+        on_tokens(len(ids))
+
+    t1 = time.perf_counter()
+    result = prefill(lm.model, torch.tensor(ids), with_surprisal=cache_method.needs_surprisal, chunk=chunk, progress=progress)
+    t2 = time.perf_counter()
+    tensors = cache_method.compress(result, params)
+    tensors = {k: v.cpu() for k, v in tensors.items()}
+    t3 = time.perf_counter()
+
+    shape = result.shape
+    raw_fp16 = len(ids) * shape.kv_bytes_per_token(itemsize=2)
+    manifest = {
+        "format_version": FORMAT_VERSION if method != "full" else 1,
+        "sekv_version": __version__,
+        "method": method,
+        "method_params": params,
+        "model": {
+            "id": lm.model_id,
+            "fingerprint": lm.fingerprint,
+            "tokenizer_fingerprint": lm.tokenizer_fingerprint,
+            "dtype": str(shape.dtype).removeprefix("torch."),
+            "shape": {"layers": shape.n_layers, "heads": shape.n_heads, "kv_heads": shape.n_kv_heads, "head_dim": shape.head_dim},
+            "context_window": models.context_window(lm.config),
+        },
+        "document": {
+            "name": doc.name,
+            "kind": doc.kind,
+            "sha256": doc.sha256,
+            "n_chars": len(doc.text),
+            "n_pages": len(doc.pages),
+            "token_pages": page_runs,
+        },
+        "n_tokens": len(ids),
+        "token_ids": ids,
+        "sizes": {"raw_kv_fp16_bytes": raw_fp16, "tensor_bytes": int(sum(t.numel() * t.element_size() for t in tensors.values()))},
+        "timings": {"prefill_s": round(t2 - t1, 3), "compress_s": round(t3 - t2, 3)},
+    }
+    size = write_pack(out_path, manifest, tensors)
+    t4 = time.perf_counter()
+    return IngestResult(out_path, len(ids), size, raw_fp16, t2 - t1, t3 - t2, t4 - t3, t4 - t0, method, params)
+
+
+def model_shape(lm: models.LoadedModel) -> ModelShape:
+    return ModelShape.of(lm.config, next(lm.model.parameters()).dtype)

@@ -1,0 +1,51 @@
+"""`full`: the complete KV cache, stored as is and attended exactly.
+
+The reference every other method is measured against: answers from a `full`
+pack are token-for-token those of a plain prefill of document + question.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import CacheMethod, GrowingKV, KVMemory, ModelShape, PrefillResult, TensorStore, causal_attention
+
+
+class FullMemory(KVMemory):
+    def __init__(self, kv: GrowingKV, shape: ModelShape):
+        self.kv = kv
+        self.shape = shape
+
+    @classmethod
+    def empty(cls, shape: ModelShape, device, capacity: int = 1024) -> "FullMemory":
+        return cls(GrowingKV(shape.n_layers, shape.n_kv_heads, shape.head_dim, shape.dtype, device, capacity), shape)
+
+    def attend(self, layer, query, key, value, scaling):
+        keys, values = self.kv.append(layer, key, value)
+        return causal_attention(query, keys, values, scaling, query.shape[-2])
+
+    def n_tokens(self) -> int:
+        return self.kv.len[-1]
+
+    def truncate(self, n_tokens: int) -> None:
+        self.kv.truncate(n_tokens)
+
+    def resident_bytes(self) -> int:
+        return self.kv.nbytes()
+
+
+class FullMethod(CacheMethod):
+    name = "full"
+    summary = "the complete KV cache; exact, largest"
+
+    def compress(self, prefill: PrefillResult, params):
+        out = {}
+        for i, (k, v) in enumerate(zip(prefill.keys, prefill.values)):
+            out[f"full.k.{i}"] = k.contiguous()
+            out[f"full.v.{i}"] = v.contiguous()
+        return out
+
+    def open(self, store: TensorStore, params, shape: ModelShape, device) -> KVMemory:
+        keys = [store.get(f"full.k.{i}") for i in range(shape.n_layers)]
+        values = [store.get(f"full.v.{i}") for i in range(shape.n_layers)]
+        return FullMemory(GrowingKV.from_tensors(keys, values, device), shape)

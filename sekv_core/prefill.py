@@ -1,0 +1,67 @@
+"""Prefill once: run the document's tokens through the model in chunks.
+
+Produces the full KV cache (post-RoPE keys, values) and, when a cache method
+asks for it, the surprisal s_t = -log p(x_t | x_<t) of every token, read from the
+same forward's logits (the LM head is applied in row blocks so the
+[N, vocab] logits never exist at once).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from . import runtime
+from .methods.base import ModelShape, PrefillResult
+from .methods.full import FullMemory
+
+DEFAULT_CHUNK = 1024
+_HEAD_BLOCK = 256
+
+
+def prefill(
+    model,
+    token_ids: torch.Tensor,
+    *,
+    with_surprisal: bool,
+    chunk: int = DEFAULT_CHUNK,
+    progress: Callable[[int, int], None] | None = None,
+) -> PrefillResult:
+    device = next(model.parameters()).device
+    ids = token_ids.to(device).view(1, -1)
+    n = ids.shape[1]
+    shape = ModelShape.of(model.config, next(model.parameters()).dtype)
+    memory = FullMemory.empty(shape, device, capacity=n)
+    head = model.get_output_embeddings()
+    surprisal = torch.zeros(n, dtype=torch.float32)
+    for start in range(0, n, chunk):
+        piece = ids[:, start : start + chunk]
+        hidden = runtime.forward_hidden(model, piece, start, memory)[0]
+        if with_surprisal:
+            # logits at position t predict token t+1
+            targets = ids[0, start + 1 : start + piece.shape[1] + 1]
+            with torch.inference_mode():
+                for b in range(0, targets.numel(), _HEAD_BLOCK):
+                    logp = torch.log_softmax(head(hidden[b : b + _HEAD_BLOCK]).float(), dim=-1)
+                    tgt = targets[b : b + _HEAD_BLOCK]
+                    s = -logp[: tgt.numel()].gather(1, tgt.view(-1, 1)).squeeze(1)
+                    surprisal[start + 1 + b : start + 1 + b + tgt.numel()] = s.cpu()
+        if progress:
+            progress(min(start + chunk, n), n)
+    keys = [memory.kv.k[i][0, :, :n] for i in range(shape.n_layers)]
+    values = [memory.kv.v[i][0, :, :n] for i in range(shape.n_layers)]
+    return PrefillResult(ids[0].cpu(), keys, values, surprisal if with_surprisal else None, shape)
+
+
+def plain_prefill_seconds(model_dir, token_ids: torch.Tensor, dtype, device="cpu") -> float:
+    """Reference timing: one plain transformers forward (SDPA, DynamicCache, all logits)."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    ids = token_ids.view(1, -1).to(device)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        m(ids, use_cache=True)
+    return time.perf_counter() - t
