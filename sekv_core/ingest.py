@@ -87,7 +87,11 @@ def ingest(
         on_tokens(len(ids))
 
     t1 = time.perf_counter()
-    result = prefill(lm.model, torch.tensor(ids), with_surprisal=cache_method.needs_surprisal, chunk=chunk, progress=progress)
+    needs = cache_method.needs_scores
+    result = prefill(lm.model, torch.tensor(ids), with_surprisal=cache_method.needs_surprisal, chunk=chunk, progress=progress,
+                     capture=tuple(x for x in needs if x != "token_text"), obs_window=int(params.get("window", 64)))
+    if "token_text" in needs:
+        result.scores["token_text"] = lm.tokenizer.batch_decode([[t] for t in ids])
     t2 = time.perf_counter()
     tensors = cache_method.compress(result, params)
     tensors = {k: v.cpu() for k, v in tensors.items()}

@@ -179,6 +179,7 @@ def convert_gguf(gguf: Path, out: Path, source: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     quiet_transformers()
+    os.environ["TQDM_DISABLE"] = "1"  # the GGUF reader's own bar; our Rich bar shows the stage
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float16)
     bad = [k for k, v in model.state_dict().items() if not v.is_floating_point()]

@@ -9,7 +9,7 @@ same forward's logits (the LM head is applied in row blocks so the
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -28,12 +28,20 @@ def prefill(
     with_surprisal: bool,
     chunk: int = DEFAULT_CHUNK,
     progress: Callable[[int, int], None] | None = None,
+    capture: Sequence[str] = (),
+    obs_window: int = 64,
 ) -> PrefillResult:
+    """capture: prefill statistics to record into PrefillResult.scores (see sekv_core.methods.scores)."""
     device = next(model.parameters()).device
     ids = token_ids.to(device).view(1, -1)
     n = ids.shape[1]
     shape = ModelShape.of(model.config, next(model.parameters()).dtype)
-    memory = FullMemory.empty(shape, device, capacity=n)
+    if capture:
+        from .methods.scores import ScoreMemory
+
+        memory = ScoreMemory.for_prefill(shape, device, n, capture, obs_window)
+    else:
+        memory = FullMemory.empty(shape, device, capacity=n)
     head = model.get_output_embeddings()
     surprisal = torch.zeros(n, dtype=torch.float32)
     for start in range(0, n, chunk):
@@ -52,7 +60,8 @@ def prefill(
             progress(min(start + chunk, n), n)
     keys = [memory.kv.k[i][0, :, :n] for i in range(shape.n_layers)]
     values = [memory.kv.v[i][0, :, :n] for i in range(shape.n_layers)]
-    return PrefillResult(ids[0].cpu(), keys, values, surprisal if with_surprisal else None, shape)
+    scores = memory.export() if capture else {}
+    return PrefillResult(ids[0].cpu(), keys, values, surprisal if with_surprisal else None, shape, scores=scores)
 
 
 def plain_prefill_seconds(model_dir, token_ids: torch.Tensor, dtype, device="cpu") -> float:

@@ -83,6 +83,8 @@ class PrefillResult:
     values: list[torch.Tensor]  # per layer [Hkv, N, d]
     surprisal: torch.Tensor | None  # [N] float32, s_0 = 0 (first token has no prediction)
     shape: ModelShape
+    #: prefill statistics a method asked for through CacheMethod.needs_scores (see methods/scores.py)
+    scores: dict[str, Any] = field(default_factory=dict)
 
     @property
     def n_tokens(self) -> int:
@@ -199,6 +201,9 @@ class CacheMethod(ABC):
     name: str = ""
     summary: str = ""
     needs_surprisal: bool = False
+    #: prefill statistics compress() reads from PrefillResult.scores: any of "obs_queries",
+    #: "attn_mass", "token_text" (captured by sekv_core.methods.scores during the one prefill)
+    needs_scores: tuple[str, ...] = ()
     default_params: Mapping[str, Any] = {}
     #: parameters that may be changed at ask time without re-ingesting
     ask_time_params: tuple[str, ...] = ()
@@ -234,3 +239,21 @@ class TensorStore(Protocol):
     def keys(self) -> list[str]: ...
 
     def get(self, name: str) -> torch.Tensor: ...
+
+
+class DictStore:
+    """A TensorStore over a plain dict: what compress() returned, used without writing a pack file."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self._t = tensors
+
+    def keys(self) -> list[str]:
+        return list(self._t)
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self._t[name]
+        except KeyError:
+            from ..errors import SekvError
+
+            raise SekvError(f"the method's compress() produced no tensor '{name}'") from None

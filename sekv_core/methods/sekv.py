@@ -1,0 +1,433 @@
+"""`sekv`: SeKV memory + zoom-in decoding (SPEC §1-2), untrained router.
+
+compress (ingest): surprisal -> anchors + spans (sekv/segment.py) -> coarse means
+(sekv/summarize.py) -> per-span SVD factors of pre-RoPE keys and of values
+(sekv/factorize.py, sekv/rope.py) -> router W, norms, tau (sekv/router.py).
+
+open (ask): full-resolution tokens + coarse entries + router on the compute
+device; factors stay in CPU memory (read from the pack, K and V concatenated
+per layer) and only the factors of the spans expanded at a step are gathered
+(into pinned staging buffers, copied on a side stream on CUDA) and
+reconstructed.  The attention
+itself is sekv/attention.py.
+
+Pack tensors (all prefixed ``sekv.``; L layers):
+  config [8] int64: N, L, Hkv, d, min_span, max_span, window, n_sink
+  key_space [1] int64: 1 = keys factorised before RoPE, 0 = after
+  rope_inv_freq [d/2] float32 (pre-RoPE packs), rope_scaling [1] float32
+  span_start / span_end [S] int64, full_idx [F] int64, anchor_idx [A] int64
+  full.k.l / full.v.l   [Hkv, F, d]  model dtype
+  coarse.k.l / coarse.v.l [Hkv, S, d] model dtype
+  router.w.l [Hw, d_r, d] float32, router.norm.l [Hw, S] float32, router.tau [L, H] float32
+  fk.l.* / fv.l.*  packed factors (sekv/factorize.py)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..sekv import factorize as fz
+from ..sekv import rope, router
+from ..sekv.attention import build_mask, mixed_attention, place, route, select
+from ..sekv.segment import Segmentation, auto_lengths, segment
+from ..sekv.summarize import span_weights, weighted_means
+from ..errors import PackError, SekvError
+from .base import CacheMethod, GrowingKV, KVMemory, ModelShape, PrefillResult, StepStats, TensorStore
+
+_ZOOMS = ("router", "all", "none")
+
+
+def _config(store: TensorStore) -> dict[str, int]:
+    c = store.get("sekv.config").tolist()
+    return dict(zip(("n_tokens", "n_layers", "n_kv_heads", "head_dim", "min_span", "max_span", "window", "n_sink"), c))
+
+
+class SekvMemory(KVMemory):
+    """Runtime SeKV memory of one pack.
+
+    Public beyond KVMemory: ``spans()`` (span id -> (start, end) token range),
+    ``step_stats()`` (see docs/sekv.md for the ``extra`` keys).
+    """
+
+    def __init__(self, store: TensorStore, params: dict[str, Any], shape: ModelShape, device):
+        device = torch.device(device)
+        self.shape, self.device, self.params = shape, device, params
+        cfg = _config(store)
+        self.n_doc = cfg["n_tokens"]
+        L, hkv, d, H = shape.n_layers, shape.n_kv_heads, shape.head_dim, shape.n_heads
+        if (cfg["n_layers"], cfg["n_kv_heads"], cfg["head_dim"]) != (L, hkv, d):
+            raise PackError("the sekv pack's attention shape does not match the model; re-ingest the document")
+        self.span_start = store.get("sekv.span_start").long()
+        self.span_end = store.get("sekv.span_end").long()
+        self.span_len = self.span_end - self.span_start
+        S = self.n_spans = int(self.span_start.numel())
+        self.n_full = int(store.get("sekv.full_idx").numel())
+        self.pre_rope = bool(store.get("sekv.key_space")[0])
+        if self.pre_rope:
+            self.inv_freq = store.get("sekv.rope_inv_freq").float().to(device)
+            self.rope_scaling = float(store.get("sekv.rope_scaling")[0])
+
+        # compute-device residents: [full-res | coarse] (+ appended tokens) per layer, router
+        keys = [torch.cat([store.get(f"sekv.full.k.{i}"), store.get(f"sekv.coarse.k.{i}")], 1).to(shape.dtype) for i in range(L)]
+        vals = [torch.cat([store.get(f"sekv.full.v.{i}"), store.get(f"sekv.coarse.v.{i}")], 1).to(shape.dtype) for i in range(L)]
+        self.n_base = self.n_full + S
+        self.kv = GrowingKV.from_tensors(keys, vals, device, extra=256)
+        rt = router.load(store, params, shape)
+        self.router_source = rt.source
+        self.w = rt.w.to(device, shape.dtype)  # [L, Hw, d_r, d]
+        if rt.source == "pack":
+            norms = torch.stack([store.get(f"sekv.router.norm.{i}").float() for i in range(L)])
+        else:  # a swapped-in router: norms of its own W
+            norms = torch.stack([router.span_norms(rt.w[i], store.get(f"sekv.coarse.k.{i}")) for i in range(L)])
+        self.inv_norm = (1.0 / (norms.clamp_min(1e-6) * math.sqrt(rt.d_r))).to(device)  # [L, Hw, S]
+        self.logit_tau = rt.logit_tau().to(device)  # [L, H]
+        self.log_n = self.span_len.float().log().to(device)
+
+        # CPU side: packed factors (pack tensors, never moved whole); K and V stacked so one gather and one
+        # batched product serve both (V blocks are "heads" Hkv..2Hkv-1)
+        self.factors: list[tuple[fz.Factors, fz.Layout]] = []
+        names = set(store.keys())
+        for i in range(L):
+            f = fz.stack_kv(*(self._factors(store, names, f"sekv.{kind}.{i}") for kind in ("fk", "fv")))
+            self.factors.append((f, fz.Layout.of(f, self.span_len, d)))
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(device)
+            self.staging = [{"_pin": True}, {"_pin": True}]  # double-buffered pinned staging, by layer parity
+            self.staging_done = [None, None]
+        self.span_len_dev = self.span_len.to(device)
+        self.span_start_dev = self.span_start.to(device)
+
+        isz = torch.empty(0, dtype=shape.dtype).element_size()
+        self.entry_bytes = 2 * d * isz  # K+V of one token of one KV head
+        self.cost = (self.span_len * self.entry_bytes).to(device)  # bytes to reconstruct span i for one KV group
+        self.router_bytes = sum(t.numel() * t.element_size() for t in (self.w, self.inv_norm, self.logit_tau, self.log_n))
+        budget = float(params.get("budget", 0.10))
+        self.budget = None if budget <= 0 or budget >= 1 else budget
+        self.head_masks = bool(params.get("head_masks", True))
+        self.zoom = params.get("zoom", "router")
+        if self.zoom not in _ZOOMS:
+            raise SekvError(f"sekv: zoom must be one of {', '.join(_ZOOMS)}, not {self.zoom!r}")
+        self._reset_ask()
+        self._last_resident = self.resident_bytes()
+
+    @staticmethod
+    def _factors(store: TensorStore, names: set[str], prefix: str) -> fz.Factors:
+        sc = f"{prefix}.us_scale" in names
+        return fz.Factors(
+            store.get(f"{prefix}.us"),
+            store.get(f"{prefix}.vt"),
+            store.get(f"{prefix}.rank"),
+            store.get(f"{prefix}.us_scale") if sc else None,
+            store.get(f"{prefix}.vt_scale") if sc else None,
+        )
+
+    # -- KVMemory -------------------------------------------------------------------------------------------
+
+    def n_tokens(self) -> int:
+        return self.n_doc + self.kv.len[-1] - self.n_base
+
+    def truncate(self, n_tokens: int) -> None:
+        self.kv.truncate(self.n_base + max(0, n_tokens - self.n_doc))
+        self._stats_stale = True  # this ask's stats stay readable until the next forward starts
+
+    def resident_bytes(self) -> int:
+        return self.kv.nbytes() + self.router_bytes
+
+    def spans(self) -> list[tuple[int, int]]:
+        return list(zip(self.span_start.tolist(), self.span_end.tolist()))
+
+    def step_stats(self) -> StepStats:
+        rates = [(r / self._steps if self._steps else 0.0) for r in self._rate_sum.tolist()]
+        counts = {int(i): int(c) for i, c in zip(torch.nonzero(self._span_counts).flatten().tolist(), self._span_counts[self._span_counts > 0].tolist())}
+        return StepStats(
+            resident_bytes=int(self._last_resident),
+            extra={
+                "zoom_spans_step": int(self._step_spans.sum()),
+                "zoom_spans_total": int(self._ask_spans.sum()),
+                "h2d_bytes_step": int(self._h2d_step),
+                "h2d_bytes_total": int(self._h2d_total),
+                "zoom_rate_per_layer": rates,
+                "span_zoom_counts": counts,
+                "budget_bytes": int(self._budget_bytes),
+            },
+        )
+
+    # -- stats ----------------------------------------------------------------------------------------------
+
+    def _reset_ask(self) -> None:
+        S, L = self.n_spans, self.shape.n_layers
+        self._ask_spans = torch.zeros(S, dtype=torch.bool)
+        self._step_spans = torch.zeros(S, dtype=torch.bool)
+        self._span_counts = torch.zeros(S, dtype=torch.long)
+        self._rate_sum = torch.zeros(L, dtype=torch.float64)
+        self._steps = 0
+        self._h2d_step = self._h2d_total = 0
+        self._budget_bytes = 0
+        self._stats_stale = False
+        self._reused = 0
+        self._held: list[tuple | None] = [None] * L  # per layer: (keep, rows K, rows V, slot spans) of its last step
+
+    def _begin_forward(self, n_new: int) -> None:
+        if self._stats_stale:
+            self._reset_ask()
+        self._steps += 1
+        self._step_spans = torch.zeros(self.n_spans, dtype=torch.bool)
+        self._h2d_step = 0
+        self._expanded_bytes = 0
+        # persistent bytes once this forward's tokens are appended
+        L = self.shape.n_layers
+        persistent = (self.kv.len[-1] + n_new) * self.shape.n_kv_heads * self.entry_bytes * L + self.router_bytes
+        full = (self.n_tokens() + n_new) * self.shape.kv_bytes_per_token()
+        self._persistent = persistent
+        if self.budget is None or self.zoom == "all":
+            self._budget_bytes = full if self.budget is None else int(self.budget * full)
+            self._cap = None
+        else:
+            self._budget_bytes = int(self.budget * full)
+            self._cap = max(0, self._budget_bytes - persistent) // L  # per layer
+        self._last_resident = persistent
+
+    # -- attention ------------------------------------------------------------------------------------------
+
+    def attend(self, layer, query, key, value, scaling):
+        if self.device.type != "cpu":
+            return self._attend(layer, query, key, value, scaling)
+        # small tensor ops: one intra-op thread is faster (BLAS threading on [2, 7, 64] products costs 20x)
+        with fz.single_thread():
+            return self._attend(layer, query, key, value, scaling)
+
+    def _attend(self, layer, query, key, value, scaling):
+        if layer == 0:
+            self._begin_forward(query.shape[-2])
+        keys, values = self.kv.append(layer, key, value)
+        H, q = query.shape[1], query.shape[2]
+        hkv, S = self.shape.n_kv_heads, self.n_spans
+        n_tail = self.kv.len[layer] - self.n_base
+        if S == 0:
+            expanded = torch.zeros(H, 0, dtype=torch.bool, device=query.device)
+            keep = torch.zeros(hkv, 0, dtype=torch.bool, device=query.device)
+        elif self.zoom == "none":
+            expanded = torch.zeros(H, S, dtype=torch.bool, device=query.device)
+            keep = torch.zeros(hkv, S, dtype=torch.bool, device=query.device)
+        elif self.zoom == "all":
+            expanded = torch.ones(H, S, dtype=torch.bool, device=query.device)
+            keep = torch.ones(hkv, S, dtype=torch.bool, device=query.device)
+        elif self._cap == 0:  # the persistent part already fills the budget
+            expanded = torch.zeros(H, S, dtype=torch.bool, device=query.device)
+            keep = torch.zeros(hkv, S, dtype=torch.bool, device=query.device)
+        else:
+            kbar = self.kv.k[layer][0, :, self.n_full : self.n_base]
+            logits = router.gate_logits(query[0], self.w[layer], kbar, self.inv_norm[layer], self.log_n)
+            cand, prio = route(logits, self.logit_tau[layer], hkv)
+            keep = select(prio, self.cost, self._cap)
+            expanded = keep.unsqueeze(1).expand(hkv, H // hkv, S).reshape(H, S)
+            if self.head_masks:  # SPEC §2.6: each head sees the tokens only of spans it wanted itself
+                expanded = expanded & cand
+
+        slot_span = None
+        if keep.any():
+            cached = self._held[layer]
+            if cached is not None and torch.equal(cached[0], keep):  # same spans as this layer's last step: still resident
+                rk, rv, slot_span = cached[1:]
+                self._reused += 1
+            else:
+                self._held[layer] = None  # release the old set before building the new one
+                rk, rv, slot_span = self._reconstruct(layer, keep)
+                self._held[layer] = (keep, rk, rv, slot_span)
+            keys = torch.cat([keys, rk.unsqueeze(0)], 2)
+            values = torch.cat([values, rv.unsqueeze(0)], 2)
+        else:
+            self._held[layer] = None
+        mask = build_mask(
+            n_heads=H, n_q=q, n_full=self.n_full, log_n=self.log_n, expanded=expanded, n_tail=n_tail, slot_span=slot_span, dtype=query.dtype
+        )
+        out = mixed_attention(query, keys, values, mask, scaling)
+        self._account(layer, keep, expanded)
+        return out
+
+    def _reconstruct(self, layer: int, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fetch + reconstruct the kept (group, span) pairs -> rows K/V [Hkv, U, d], slot span ids [Hkv, U]."""
+        d, hkv = self.shape.head_dim, self.shape.n_kv_heads
+        g, i = torch.nonzero(keep.cpu(), as_tuple=True)  # sorted by group, then span
+        g2, i2 = torch.cat([g, g + hkv]), torch.cat([i, i])  # K blocks, then V blocks
+        f, lay = self.factors[layer]
+        if self.cuda:
+            slot = layer % 2
+            if self.staging_done[slot] is not None:
+                self.staging_done[slot].synchronize()  # the staging buffers of this parity are free again
+            host = fz.gather(f, lay, self.span_len, g2, i2, d, out=self.staging[slot])
+            with torch.cuda.stream(self.copy_stream):
+                dev = host.to(self.device, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self.copy_stream)
+            self.staging_done[slot] = ev
+            main = torch.cuda.current_stream(self.device)
+            main.wait_event(ev)
+            for t in (dev.us, dev.vt, dev.us_scale, dev.vt_scale, dev.n, dev.r):
+                if t is not None:
+                    t.record_stream(main)
+        else:
+            dev = fz.gather(f, lay, self.span_len, g2, i2, d)
+        self._h2d_step += dev.nbytes()
+        rows = fz.expand(dev, d, torch.float32)  # [2E, n_max, d]
+        e = g.numel()
+        idev = i.to(self.device)
+        if self.pre_rope:
+            pos = self.span_start_dev[idev].view(-1, 1) + torch.arange(rows.shape[1], device=self.device).view(1, -1)
+            cos, sin = rope.cos_sin(pos.flatten(), self.inv_freq, self.rope_scaling, dtype=self.shape.dtype)
+            rows[:e] = rope.apply(rows[:e].reshape(-1, d), cos, sin).view(e, -1, d)
+        out, blk, _ = place(rows.to(self.shape.dtype), g2.to(self.device), self.span_len_dev[i2.to(self.device)], 2 * hkv)
+        slot_span = torch.where(blk[:hkv] >= 0, idev[blk[:hkv].clamp_min(0)], torch.full_like(blk[:hkv], -1))
+        return out[:hkv], out[hkv:], slot_span
+
+    def _account(self, layer: int, keep: torch.Tensor, expanded: torch.Tensor) -> None:
+        if keep.numel() == 0:
+            return
+        kb = keep.cpu()
+        self._expanded_bytes += int((kb.long() * self.span_len.view(1, -1)).sum()) * self.entry_bytes
+        self._last_resident = self._persistent + self._expanded_bytes
+        spans = kb.any(0)
+        self._step_spans |= spans
+        self._ask_spans |= spans
+        self._span_counts += expanded.cpu().long().sum(0)
+        self._rate_sum[layer] += float(expanded.float().mean())
+        if layer == self.shape.n_layers - 1:
+            self._h2d_total += self._h2d_step
+
+
+class SekvMethod(CacheMethod):
+    name = "sekv"
+    summary = "SeKV: anchors + coarse span means on device, per-span SVD factors on CPU, zoom-in decoding"
+    needs_surprisal = True
+    default_params = {
+        "budget": 0.10,  # resident KV budget, fraction of the full KV (also sizes window / spans at ingest)
+        "alpha": 1.0,  # boundary: s_t > mu + alpha * sigma
+        "min_span": 0,  # 0: auto from the budget (sekv/segment.py auto_lengths)
+        "max_span": 0,  # 0: auto (2 * min_span)
+        "n_sink": 4,
+        "window": -1,  # -1: auto, min(512, 0.25 * budget * N)
+        "weighting": "surprisal",  # or "mean" (ablation)
+        "rank_max": 32,
+        "energy_k": 0.99,  # untrained rank rule: smallest rank keeping this share of sigma^2 (docs/sekv.md)
+        "energy_v": 0.99,
+        "factors_8bit": True,
+        "factor_dtype": "float16",  # float factors when not 8-bit ("float32" for exactness tests)
+        "key_space": "pre_rope",  # or "post_rope"
+        "svd": "gram",  # or "svd" (torch.linalg.svd)
+        "d_r": router.D_R,
+        "tau": 0.0,  # 0: the router's (calibrated) thresholds
+        "zoom": "router",  # "all" (every span, the exactness check) | "none" (coarse only)
+        "head_masks": True,  # False: every query head of a group sees the spans the group reconstructed
+    }
+    ask_time_params = ("budget",)
+
+    @staticmethod
+    def lengths(n_tokens: int, params: dict[str, Any]) -> tuple[int, int, int]:
+        """(min_span, max_span, window): the explicit parameters, or the budget-driven defaults."""
+        b = float(params["budget"]) if 0 < float(params["budget"]) < 1 else 0.10
+        mn, mx, w = auto_lengths(n_tokens, b)
+        mn = int(params["min_span"]) or mn
+        mx = int(params["max_span"]) or 2 * mn
+        w = int(params["window"]) if int(params["window"]) >= 0 else w
+        return mn, mx, w
+
+    def segmentation(self, prefill: PrefillResult, params: dict[str, Any]) -> Segmentation:
+        n = prefill.n_tokens
+        mn, mx, w = self.lengths(n, params)
+        s = prefill.surprisal if prefill.surprisal is not None else torch.zeros(n)
+        return segment(s, alpha=float(params["alpha"]), min_span=mn, max_span=mx, n_sink=int(params["n_sink"]), window=w)
+
+    def compress(self, prefill: PrefillResult, params):
+        # many small tensor ops: intra-op threads cost more than they give on a small CPU (docs/sekv.md)
+        with fz.single_thread():
+            return self._compress(prefill, params)
+
+    def _compress(self, prefill: PrefillResult, params):
+        shape = prefill.shape
+        L, hkv, d, H = shape.n_layers, shape.n_kv_heads, shape.head_dim, shape.n_heads
+        if params["key_space"] not in ("pre_rope", "post_rope"):
+            raise SekvError(f"sekv: key_space must be pre_rope or post_rope, not {params['key_space']!r}")
+        seg = self.segmentation(prefill, params)
+        pos, sid = seg.span_tokens()
+        S = seg.n_spans
+        span_len = seg.span_len
+        weights = span_weights(prefill.surprisal, pos, sid, S, params["weighting"])
+        inv = rope.inv_freq_of(shape)
+        pre = params["key_space"] == "pre_rope" and inv is not None
+        int8 = bool(params["factors_8bit"])
+        fdt = getattr(torch, params["factor_dtype"])
+        mn, mx, w = self.lengths(prefill.n_tokens, params)
+        out: dict[str, torch.Tensor] = {
+            "sekv.config": torch.tensor([prefill.n_tokens, L, hkv, d, mn, mx, w, int(params["n_sink"])], dtype=torch.long),
+            "sekv.key_space": torch.tensor([int(pre)], dtype=torch.long),
+            "sekv.span_start": seg.span_start.clone(),
+            "sekv.span_end": seg.span_end.clone(),
+            "sekv.full_idx": seg.full_idx.clone(),
+            "sekv.anchor_idx": seg.anchor_idx.clone(),
+        }
+        if pre:
+            out["sekv.rope_inv_freq"] = inv
+            out["sekv.rope_scaling"] = torch.tensor([shape.rope_attention_scaling], dtype=torch.float32)
+            cos, sin = rope.cos_sin(pos, inv, shape.rope_attention_scaling, dtype=prefill.keys[0].dtype)
+        taus = torch.full((L, H), router.TAU_DEFAULT if not params["tau"] else float(params["tau"]), dtype=torch.float32)
+        out["sekv.router.tau"] = taus
+        for li in range(L):
+            k, v = prefill.keys[li].cpu(), prefill.values[li].cpu()
+            out[f"sekv.full.k.{li}"] = k[:, seg.full_idx].contiguous()
+            out[f"sekv.full.v.{li}"] = v[:, seg.full_idx].contiguous()
+            kbar = weighted_means(k, pos, sid, weights, S)
+            out[f"sekv.coarse.k.{li}"] = kbar.to(k.dtype)
+            out[f"sekv.coarse.v.{li}"] = weighted_means(v, pos, sid, weights, S).to(v.dtype)
+            w = router.pca_init(k, int(params["d_r"]), kbar)
+            out[f"sekv.router.w.{li}"] = w
+            out[f"sekv.router.norm.{li}"] = router.span_norms(w, kbar.to(k.dtype))
+            kx = k[:, pos].float()
+            if pre:
+                kx = rope.undo(kx, cos, sin)
+            opts = dict(rank_max=int(params["rank_max"]), int8=int8, dtype=fdt, method=params["svd"])
+            fk = fz.factorize(kx, span_len, energy=float(params["energy_k"]), **opts)
+            fv = fz.factorize(v[:, pos].float(), span_len, energy=float(params["energy_v"]), **opts)
+            out.update(fk.tensors(f"sekv.fk.{li}"))
+            out.update(fv.tensors(f"sekv.fv.{li}"))
+        return out
+
+    def open(self, store: TensorStore, params, shape: ModelShape, device) -> KVMemory:
+        return SekvMemory(store, params, shape, device)
+
+    def describe(self, store: TensorStore, params) -> dict[str, Any]:
+        cfg = _config(store)
+        n, L, hkv, d = cfg["n_tokens"], cfg["n_layers"], cfg["n_kv_heads"], cfg["head_dim"]
+        start, end = store.get("sekv.span_start"), store.get("sekv.span_end")
+        lens = (end - start).float()
+        n_full = int(store.get("sekv.full_idx").numel())
+        hist = {}
+        for kind, label in (("fk", "keys"), ("fv", "values")):
+            r = torch.cat([store.get(f"sekv.{kind}.{i}.rank").flatten().long() for i in range(L)]) if lens.numel() else torch.zeros(0)
+            hist[label] = {
+                "0-4": int((r <= 4).sum()),
+                "5-8": int(((r >= 5) & (r <= 8)).sum()),
+                "9-16": int(((r >= 9) & (r <= 16)).sum()),
+                "17-32": int(((r >= 17) & (r <= 32)).sum()),
+                **({">32": int((r > 32).sum())} if bool((r > 32).any()) else {}),
+            }
+        tensor_bytes = sum(store.get(k).numel() * store.get(k).element_size() for k in store.keys() if k.startswith("sekv."))
+        raw = n * 2 * L * hkv * d * 2
+        return {
+            "spans": int(lens.numel()),
+            "mean_span_tokens": round(float(lens.mean()), 1) if lens.numel() else 0.0,
+            "full_resolution_tokens": n_full,
+            "full_resolution_share": round(n_full / max(n, 1), 4),
+            "anchors": int(store.get("sekv.anchor_idx").numel()),
+            "window": cfg["window"],
+            "key_space": "pre_rope" if int(store.get("sekv.key_space")[0]) else "post_rope",
+            "effective_rank_histogram": hist,
+            "pack_tensor_bytes": int(tensor_bytes),
+            "raw_kv_fp16_bytes": int(raw),
+            "pack_vs_raw": round(tensor_bytes / max(raw, 1), 4),
+        }
+
+

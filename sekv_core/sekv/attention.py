@@ -1,0 +1,128 @@
+"""One attention over the mixed-resolution memory (SPEC §2.4-2.6), batched.
+
+Per layer the keys a query sees are laid out as
+
+    [ full-res document tokens (F) | coarse span entries (S) | appended tokens (A) | reconstructed tokens (U) ]
+
+where the first three live in one growing buffer and the U reconstructed
+tokens are the tokens of the spans each KV group expanded at this step, padded
+to the longest group.  One additive mask per (query head, query token) makes
+each head see, for every span, either its coarse entry (score + log n_i) or the
+span's reconstructed tokens, never both; padding and other groups' spans are
+hidden.  Everything is tensor ops: no loop over spans or heads.
+
+``select`` is the budget cap: (KV group, span) candidates in decreasing gate
+logit, kept while the cumulative reconstruction bytes fit the cap.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NEG_INF = float("-inf")
+
+
+def select(priority: torch.Tensor, cost: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Budget cap.  priority [Hkv, S] (-inf: not a candidate), cost [S] bytes per (group, span) -> keep [Hkv, S] bool.
+
+    Candidates are taken in decreasing priority while the running total of their
+    costs stays <= cap (the first one that does not fit ends the selection:
+    "keep spans in decreasing p_i until the budget is full").  cap None: no cap.
+    """
+    cand = priority > NEG_INF
+    if cap is None:
+        return cand
+    hkv, s = priority.shape
+    flat = priority.flatten()
+    order = torch.argsort(flat, descending=True, stable=True)
+    c = cost.to(torch.float64).repeat(hkv)[order]
+    fits = (torch.cumsum(c, 0) <= float(cap)) & cand.flatten()[order]
+    fits = torch.cumprod(fits.to(torch.int8), 0).bool()  # a prefix
+    keep = torch.zeros(hkv * s, dtype=torch.bool, device=priority.device)
+    keep[order] = fits
+    return keep.view(hkv, s)
+
+
+def route(logits: torch.Tensor, logit_tau: torch.Tensor, n_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [H, q, S], logit_tau [H] -> (head candidates [H, S] bool, group priority [Hkv, S]).
+
+    Several query tokens (the question's forward) take the max gate over tokens:
+    a span any of them wants is a candidate, and once reconstructed every token
+    of the forward may use it.  The group priority is the max over the group's
+    candidate heads.
+    """
+    h, _, s = logits.shape
+    lg = logits.amax(1)
+    cand = lg > logit_tau.view(h, 1)
+    prio = torch.where(cand, lg, torch.full_like(lg, NEG_INF)).view(n_kv, h // n_kv, s).amax(1)
+    return cand, prio
+
+
+def place(rows: torch.Tensor, g: torch.Tensor, n: torch.Tensor, n_kv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Arrange reconstructed blocks per KV group.
+
+    rows [E, n_max, d] (pairs sorted by group), g [E], n [E] ->
+    (per-group rows [Hkv, U, d] zero-padded, block index of each slot [Hkv, U] (-1 = padding),
+    row-within-block of each slot [Hkv, U]).
+    """
+    e, n_max, d = rows.shape
+    dev = rows.device
+    per_group = torch.zeros(n_kv, dtype=torch.long, device=dev).index_add_(0, g, n)
+    u = int(per_group.max()) if e else 0
+    start_in_group = torch.cumsum(n, 0) - n - (torch.cumsum(per_group, 0) - per_group)[g]
+    j = torch.arange(n_max, device=dev).view(1, -1)
+    valid = j < n.view(-1, 1)
+    dest = (g.view(-1, 1) * u + start_in_group.view(-1, 1) + j)[valid]
+    out = rows.new_zeros(n_kv * u, d)
+    out[dest] = rows[valid]
+    blk = torch.full((n_kv * u,), -1, dtype=torch.long, device=dev)
+    blk[dest] = torch.arange(e, device=dev).view(-1, 1).expand(-1, n_max)[valid]
+    row = torch.zeros(n_kv * u, dtype=torch.long, device=dev)
+    row[dest] = j.expand(e, -1)[valid]
+    return out.view(n_kv, u, d), blk.view(n_kv, u), row.view(n_kv, u)
+
+
+def build_mask(
+    *,
+    n_heads: int,
+    n_q: int,
+    n_full: int,
+    log_n: torch.Tensor,
+    expanded: torch.Tensor,
+    n_tail: int,
+    slot_span: torch.Tensor | None,
+    dtype,
+) -> torch.Tensor:
+    """Additive mask [1, H, q, F + S + A + U].
+
+    expanded [H, S] bool: the head sees the span's tokens (coarse hidden), else the
+    coarse entry with + log n_i.  slot_span [Hkv, U] (-1 = padding): which span each
+    reconstructed slot belongs to.  The appended tail is causal among the q new tokens.
+    """
+    h, s = expanded.shape
+    dev = expanded.device
+    ninf = torch.tensor(NEG_INF, dtype=torch.float32, device=dev)
+    coarse = torch.where(expanded, ninf, log_n.float().view(1, s))  # [H, S]
+    head = torch.cat([torch.zeros(h, n_full, device=dev), coarse], 1).unsqueeze(1).expand(h, n_q, n_full + s)
+    t = torch.arange(n_tail, device=dev).view(1, -1)
+    qi = torch.arange(n_q, device=dev).view(-1, 1)
+    tail = torch.where(t <= n_tail - n_q + qi, 0.0, ninf).unsqueeze(0).expand(h, n_q, n_tail)
+    parts = [head, tail]
+    if slot_span is not None and slot_span.shape[1] > 0:
+        n_kv = slot_span.shape[0]
+        sp = slot_span.unsqueeze(1).expand(n_kv, h // n_kv, -1).reshape(h, -1)  # [H, U]
+        sees = (sp >= 0) & expanded.gather(1, sp.clamp_min(0))
+        parts.append(torch.where(sees, 0.0, ninf).unsqueeze(1).expand(h, n_q, sp.shape[1]))
+    return torch.cat(parts, -1).to(dtype).unsqueeze(0)
+
+
+def mixed_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """query [1, H, q, d], keys/values [1, Hkv, T, d], mask [1, H, q, T] -> [1, H, q, d]."""
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=keys.shape[1] != query.shape[1])

@@ -1,0 +1,311 @@
+"""Per-span truncated SVD of keys and values (SPEC §1.5), batched, in a ragged packed layout.
+
+For every (KV head g, span i) the span's matrix X (n_i x d) is factorised as
+X ~= (U * sigma)[:, :r] @ Vt[:r], keeping the smallest rank r whose retained
+energy sum_{j<r} sigma_j^2 / sum sigma^2 reaches ``energy`` (the untrained rank
+rule; r <= rank_max).  Spans are bucketed by length and zero-padded to the
+bucket length (zero rows change neither sigma nor Vt), so one batched
+decomposition runs per bucket: no Python loop per span or head.
+
+Packed layout (one per layer and K/V), all 1-D so that any set of spans can be
+gathered with one index_select:
+
+* ``us``  -- the n_i x r_gi blocks of U*sigma, row-major, concatenated in
+  (g, i) order; int8 (per-row absmax, ``us_scale`` one scale per token row:
+  [Hkv * T]) or ``dtype`` (float16 by default);
+* ``vt``  -- the r_gi x d blocks of Vt, concatenated likewise; int8 with one
+  scale per row (``vt_scale`` [sum r]) or ``dtype``;
+* ``rank`` -- [Hkv, S] int16.  Offsets are cumulative sums of n_i * r_gi and
+  r_gi * d, recomputed at load time (:func:`offsets`).
+
+``method="gram"`` (default) takes the eigendecomposition of X^T X (d x d) and
+U*sigma = X @ V (float64): it is 1.5x faster than ``torch.linalg.svd`` on CPU and,
+since the reconstruction is the projection X V_r V_r^T, exact at full rank up
+to the orthogonality of V.  ``method="svd"`` is kept for comparison
+(benchmarks/rope_factors.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+INT8_MAX = 127.0
+
+
+@dataclass
+class Factors:
+    """One layer's factors of one matrix kind (K or V), packed."""
+
+    us: torch.Tensor  # [sum_gi n_i * r_gi] int8 | float16
+    vt: torch.Tensor  # [sum_gi r_gi * d] int8 | float16
+    rank: torch.Tensor  # [Hkv, S] int16
+    us_scale: torch.Tensor | None = None  # [Hkv * T] float16 (per token row)
+    vt_scale: torch.Tensor | None = None  # [sum_gi r_gi] float16 (per component row)
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        out = {f"{prefix}.us": self.us, f"{prefix}.vt": self.vt, f"{prefix}.rank": self.rank}
+        if self.us_scale is not None:
+            out[f"{prefix}.us_scale"] = self.us_scale
+            out[f"{prefix}.vt_scale"] = self.vt_scale
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors("").values())
+
+
+def _bucket_len(n: torch.Tensor) -> torch.Tensor:
+    """Bucket length of each span: n rounded up to a multiple of 16 (few buckets, little padding)."""
+    return (n + 15) // 16 * 16
+
+
+def choose_rank(sigma: torch.Tensor, energy: float, rank_max: int) -> torch.Tensor:
+    """Smallest r with sum_{j<r} sigma_j^2 >= energy * sum sigma^2, capped at rank_max ([B] int64)."""
+    e = sigma.double() ** 2
+    total = e.sum(-1, keepdim=True)
+    k = sigma.shape[-1]
+    if energy >= 1.0:
+        r = (e > 0).sum(-1) if k else torch.zeros(sigma.shape[0], dtype=torch.long)
+    else:
+        frac = torch.cumsum(e, -1) / total.clamp_min(1e-300)
+        r = (frac < energy).sum(-1) + 1
+        r = torch.where(total.squeeze(-1) > 0, r, torch.zeros_like(r))
+    return r.clamp(max=min(rank_max, k)).long()
+
+
+@contextlib.contextmanager
+def single_thread():
+    """Batched LAPACK on many small matrices: one thread is several times faster than two on our CPU
+    (and ~10x faster when the cores are shared); the thread count is restored afterwards."""
+    old = torch.get_num_threads()
+    if old != 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if old != 1:
+            torch.set_num_threads(old)
+
+
+def _decompose(a: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """a [B, n, d] -> (U*sigma [B, n, k], sigma [B, k], Vt [B, k, d]), sigma descending, k = min(n, d)."""
+    if method == "svd":
+        u, s, vt = torch.linalg.svd(a, full_matrices=False)
+        return u * s.unsqueeze(-2), s, vt
+    if method != "gram":
+        raise ValueError(f"unknown factorisation method {method!r}")
+    # float64 Gram + eigh: squaring the condition number in float32 cost 1e-4 relative logit error at full rank
+    # on pre-RoPE keys (outlier dimensions); float64 is back at float32 SVD accuracy and still 1.5x faster
+    ad = a.double()
+    evals, evecs = torch.linalg.eigh(ad.transpose(1, 2) @ ad)  # ascending
+    evals, evecs = evals.flip(-1), evecs.flip(-1)
+    k = min(a.shape[1], a.shape[2])
+    v = evecs[..., :k]  # [B, d, k]
+    us = (ad @ v).to(a.dtype)
+    return us, evals[..., :k].clamp_min(0).sqrt().to(a.dtype), v.transpose(1, 2).to(a.dtype)
+
+
+def offsets(rank: torch.Tensor, span_len: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(us_off, vt_off, row_off) [Hkv, S] int64: where block (g, i) starts in us / vt, and its first token row."""
+    r = rank.long()
+    n = span_len.view(1, -1).long().expand_as(r)
+    us_sz, vt_sz = (n * r).flatten(), (r * d).flatten()
+    us_off = (torch.cumsum(us_sz, 0) - us_sz).view_as(r)
+    vt_off = (torch.cumsum(vt_sz, 0) - vt_sz).view_as(r)
+    rows = n.flatten()
+    row_off = (torch.cumsum(rows, 0) - rows).view_as(r)
+    return us_off, vt_off, row_off
+
+
+def factorize(
+    x: torch.Tensor,
+    span_len: torch.Tensor,
+    *,
+    energy: float,
+    rank_max: int = 32,
+    int8: bool = False,
+    dtype: torch.dtype = torch.float16,
+    method: str = "gram",
+) -> Factors:
+    """x [Hkv, T, d]: the compressed tokens of one layer in span order (span i has span_len[i] rows)."""
+    hkv, t, d = x.shape
+    n = span_len.long()
+    s = n.numel()
+    x = x.float()
+    first = torch.cumsum(n, 0) - n
+    n_max = int(n.max()) if s else 0
+    r_cap = max(0, min(rank_max, d, n_max))
+    # every span's factors, padded: U*sigma [Hkv, S, n_max, r_cap] and Vt [Hkv, S, r_cap, d]
+    us_pad = x.new_zeros(hkv, s, n_max, r_cap)
+    vt_pad = x.new_zeros(hkv, s, r_cap, d)
+    rank = torch.zeros(hkv, s, dtype=torch.long)
+    bl = _bucket_len(n)
+    xz = torch.cat([x, x.new_zeros(hkv, 1, d)], dim=1)  # row t is the zero row used for padding
+    for nb in torch.unique(bl).tolist():  # a handful of buckets, not spans
+        ids = torch.nonzero(bl == nb).flatten()
+        j = torch.arange(nb)
+        valid = j.view(1, -1) < n[ids].view(-1, 1)
+        src = torch.where(valid, first[ids].view(-1, 1) + j.view(1, -1), torch.full_like(valid, t, dtype=torch.long))
+        a = xz[:, src]  # [hkv, Sb, nb, d]
+        with single_thread():
+            us, sigma, vt = _decompose(a.reshape(-1, nb, d), method)
+        rank[:, ids] = torch.minimum(choose_rank(sigma, energy, rank_max).view(hkv, -1), n[ids].view(1, -1))
+        k = min(r_cap, us.shape[-1])
+        m = min(nb, n_max)
+        us_pad[:, ids, :m, :k] = us.reshape(hkv, -1, nb, us.shape[-1])[:, :, :m, :k]
+        vt_pad[:, ids, :k] = vt.reshape(hkv, -1, vt.shape[-2], d)[:, :, :k]
+
+    # boolean selection walks (g, i, row, col) in row-major order: exactly the packed layout
+    rows_ok = torch.arange(n_max).view(1, 1, -1) < n.view(1, -1, 1)  # [1, S, n_max]
+    cols_ok = torch.arange(r_cap).view(1, 1, -1) < rank.unsqueeze(-1)  # [Hkv, S, r_cap]
+    keep_us = rows_ok.unsqueeze(-1) & cols_ok.unsqueeze(2)
+    keep_vt = cols_ok.unsqueeze(-1).expand(-1, -1, -1, d)
+    rank16 = rank.to(torch.int16)
+    if not int8:
+        return Factors(us_pad[keep_us].to(dtype), vt_pad[keep_vt].to(dtype), rank16)
+    us_scale = (torch.where(keep_us, us_pad.abs(), 0.0).amax(-1) / INT8_MAX).clamp_min(1e-8).to(torch.float16)  # [Hkv, S, n_max]
+    us_q = torch.round(us_pad / us_scale.float().unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    vt_scale = (vt_pad.abs().amax(-1) / INT8_MAX).clamp_min(1e-8).to(torch.float16)  # [Hkv, S, r_cap]
+    vt_q = torch.round(vt_pad / vt_scale.float().unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return Factors(us_q[keep_us], vt_q[keep_vt], rank16, us_scale[rows_ok.expand(hkv, -1, -1)], vt_scale[cols_ok])
+
+
+def _excl_cumsum(x: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(x, 0) - x
+
+
+def ranges(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Concatenation of arange(starts[e], starts[e] + lens[e]) over e, without a loop.
+
+    A cumulative sum of steps: +1 inside a range, a jump to the next start where one begins.
+    """
+    keep = lens > 0
+    starts, lens = starts[keep], lens[keep]
+    total = int(lens.sum())
+    if total == 0:
+        return torch.empty(0, dtype=torch.long, device=starts.device)
+    step = torch.ones(total, dtype=torch.long, device=starts.device)
+    first = _excl_cumsum(lens)
+    step[first[1:]] = starts[1:] - (starts[:-1] + lens[:-1] - 1)
+    step[0] = starts[0]
+    return torch.cumsum(step, 0)
+
+
+@dataclass
+class Layout:
+    """Load-time offsets into one layer's packed factors (see :func:`offsets`)."""
+
+    rank: torch.Tensor  # [Hkv, S] int64
+    us_off: torch.Tensor
+    vt_off: torch.Tensor
+    row_off: torch.Tensor
+
+    @classmethod
+    def of(cls, f: Factors, span_len: torch.Tensor, d: int) -> "Layout":
+        rank = f.rank.long()
+        return cls(rank, *offsets(rank, span_len, d))
+
+
+def stack_kv(fk: Factors, fv: Factors) -> Factors:
+    """One factor set holding K (heads 0..Hkv-1) then V (heads Hkv..2Hkv-1), so that one gather and
+    one batched product reconstruct both (the packed layout is head-major, so this is concatenation)."""
+    sc = fk.us_scale is not None
+    return Factors(
+        torch.cat([fk.us, fv.us]),
+        torch.cat([fk.vt, fv.vt]),
+        torch.cat([fk.rank, fv.rank]),
+        torch.cat([fk.us_scale, fv.us_scale]) if sc else None,
+        torch.cat([fk.vt_scale, fv.vt_scale]) if sc else None,
+    )
+
+
+@dataclass
+class Fetch:
+    """The compact factor blocks of a set of (KV head, span) pairs: what moves to the compute device."""
+
+    us: torch.Tensor
+    vt: torch.Tensor
+    us_scale: torch.Tensor | None
+    vt_scale: torch.Tensor | None
+    n: torch.Tensor  # [E] int64, rows per block
+    r: torch.Tensor  # [E] int64, rank per block
+    n_max: int
+    r_max: int
+
+    def nbytes(self) -> int:
+        ts = [self.us, self.vt, self.us_scale, self.vt_scale]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def to(self, device, non_blocking: bool = False) -> "Fetch":
+        mv = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return Fetch(mv(self.us), mv(self.vt), mv(self.us_scale), mv(self.vt_scale), mv(self.n), mv(self.r), self.n_max, self.r_max)
+
+
+def gather(f: Factors, lay: Layout, span_len: torch.Tensor, g: torch.Tensor, i: torch.Tensor, d: int, out: dict | None = None) -> Fetch:
+    """Select the blocks of pairs (g[e], i[e]) from the packed (CPU) factors, compactly.
+
+    ``out`` may hold preallocated (pinned) 1-D buffers named like the fields; they are
+    used (and grown) in place so a CUDA copy can be asynchronous.
+    """
+    n = span_len[i].long()
+    r = lay.rank[g, i]
+    parts = {
+        "us": (f.us, ranges(lay.us_off[g, i], n * r)),
+        "vt": (f.vt, ranges(lay.vt_off[g, i], r * d)),
+    }
+    if f.us_scale is not None:
+        parts["us_scale"] = (f.us_scale, ranges(lay.row_off[g, i], n))
+        parts["vt_scale"] = (f.vt_scale, ranges(torch.div(lay.vt_off[g, i], d, rounding_mode="floor"), r))
+    got: dict[str, torch.Tensor | None] = {"us_scale": None, "vt_scale": None}
+    for name, (src, idx) in parts.items():
+        if out is None:
+            got[name] = src.index_select(0, idx)
+            continue
+        buf = out.get(name)
+        if buf is None or buf.dtype != src.dtype or buf.numel() < idx.numel():
+            buf = torch.empty(max(idx.numel(), 2 * (buf.numel() if buf is not None else 0)), dtype=src.dtype, pin_memory=bool(out.get("_pin")))
+            out[name] = buf
+        got[name] = torch.index_select(src, 0, idx, out=buf[: idx.numel()])
+    return Fetch(got["us"], got["vt"], got["us_scale"], got["vt_scale"], n, r, int(n.max()) if n.numel() else 0, int(r.max()) if r.numel() else 0)
+
+
+def expand(fe: Fetch, d: int, dtype=torch.float32) -> torch.Tensor:
+    """Reconstruct the fetched blocks on their device: [E, n_max, d] (rows past n[e] are zero)."""
+    dev = fe.us.device
+    e = fe.n.numel()
+    if e == 0 or fe.n_max == 0:
+        return torch.zeros(e, fe.n_max, d, dtype=dtype, device=dev)
+    if fe.r_max == 0:
+        return torch.zeros(e, fe.n_max, d, dtype=dtype, device=dev)
+    n, r = fe.n.view(-1, 1, 1), fe.r.view(-1, 1, 1)
+    j = torch.arange(fe.n_max, device=dev).view(1, -1, 1)
+    c = torch.arange(fe.r_max, device=dev).view(1, 1, -1)
+    cu = _excl_cumsum(fe.n * fe.r).view(-1, 1, 1)
+    ok = (j < n) & (c < r)
+    idx = torch.where(ok, cu + j * r + c, torch.zeros((), dtype=torch.long, device=dev))
+    us = fe.us[idx].to(dtype) * ok
+    c2 = torch.arange(fe.r_max, device=dev).view(1, -1, 1)
+    ee = torch.arange(d, device=dev).view(1, 1, -1)
+    cv = _excl_cumsum(fe.r * d).view(-1, 1, 1)
+    okv = (c2 < r).expand(-1, -1, d)
+    vidx = torch.where(okv, cv + c2 * d + ee, torch.zeros((), dtype=torch.long, device=dev))
+    vt = fe.vt[vidx].to(dtype) * okv
+    if fe.us_scale is not None:
+        rows = torch.where(j < n, _excl_cumsum(fe.n).view(-1, 1, 1) + j, torch.zeros((), dtype=torch.long, device=dev))
+        us = us * fe.us_scale[rows].to(dtype)
+        comp = torch.where(c2 < r, _excl_cumsum(fe.r).view(-1, 1, 1) + c2, torch.zeros((), dtype=torch.long, device=dev))
+        vt = vt * fe.vt_scale[comp].to(dtype)
+    return torch.bmm(us, vt)
+
+
+def reconstruct_all(f: Factors, span_len: torch.Tensor, d: int) -> torch.Tensor:
+    """Every span's reconstruction [Hkv, T, d] float32 (reference / tests; the runtime gathers subsets)."""
+    hkv, s = f.rank.shape
+    lay = Layout.of(f, span_len, d)
+    g = torch.arange(hkv).repeat_interleave(s)
+    i = torch.arange(s).repeat(hkv)
+    rows = expand(gather(f, lay, span_len, g, i, d), d)
+    valid = torch.arange(rows.shape[1]).view(1, -1) < span_len.long()[i].view(-1, 1)
+    return rows[valid].view(hkv, -1, d)

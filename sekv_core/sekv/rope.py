@@ -1,0 +1,48 @@
+"""Undo / redo the rotary embedding on cached keys (Llama / Qwen2 "rotate_half" convention).
+
+Keys arrive post-RoPE: k_post = k * cos + rotate_half(k) * sin with cos/sin of the
+token's absolute position.  The model builds cos/sin from ``inv_freq`` (rope
+scaling included) in float32, multiplies by ``attention_scaling`` and casts them
+to the model dtype before rotating; we do the same (``dtype``), so that undoing
+and re-applying reproduce the model's keys up to the key dtype's rounding.
+The inverse divides by cos^2 + sin^2, which is exact also when
+``attention_scaling`` != 1 or when the dtype rounding makes the map not quite a
+rotation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def inv_freq_of(shape) -> torch.Tensor | None:
+    """The model's rotary inverse frequencies [d/2] (float32) from a ModelShape, or None."""
+    inv = getattr(shape, "rope_inv_freq", None)
+    return None if inv is None else torch.tensor(inv, dtype=torch.float32)
+
+
+def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float = 1.0, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, d] (float32 values, rounded through ``dtype`` like the model does)."""
+    freqs = positions.reshape(-1, 1).float() * inv_freq.to(positions.device, torch.float32).reshape(1, -1)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos() * scaling, emb.sin() * scaling
+    if dtype is not None and dtype != torch.float32:
+        cos, sin = cos.to(dtype).float(), sin.to(dtype).float()
+    return cos, sin
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [..., T, d] to the positions of cos/sin [T, d]."""
+    return x * cos + rotate_half(x) * sin
+
+
+def undo(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`apply` (x [..., T, d] post-RoPE -> pre-RoPE)."""
+    # apply() is, per pair (i, i + d/2), the matrix [[c, -s], [s, c]]; its inverse is [[c, s], [-s, c]] / (c^2 + s^2)
+    # where the pair shares c, s (both halves of cos/sin are equal by construction)
+    return (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin)

@@ -1,0 +1,103 @@
+"""The zoom-in router (SPEC §2.1-2.3), untrained initialisation.
+
+Gate of span i for query head h of layer l:
+
+    p_hi = sigmoid( <W q, normalize(W k-_i)> / sqrt(d_r) + log n_i ),   expand iff p_hi > tau_lh
+
+Since normalize(W k-_i) = W k-_i / ||W k-_i||, the score equals
+<W^T W q, k-_i> / ||W k-_i||: the memory keeps one norm per (span, W) beside
+the mean key k-_i it holds anyway, never the d_r-dimensional summaries.
+
+Untrained W (``pca_init``): per layer and KV head, the top-d_r principal
+directions of that head's prefill keys (uncentred second moment, so the common
+key direction, which carries most of q . k, is kept), shared by the query
+heads of the group -- W is then stored once per KV head (``Hw = Hkv``) and so
+are the norms.  The rows are scaled by c = sqrt(d_r / d_h) * median_i ||P k-_i||
+so that the gate logit is on the scale of the coarse entry's attention logit
+q . k-_i / sqrt(d_h) + log n_i, the log of the (unnormalised) attention mass the
+span would receive.  A trained router may use one W per query head
+(``Hw = H``); everything here takes either.
+
+Gates are compared in logit space (p > tau  <=>  logit > log(tau / (1 - tau))):
+the sigmoid saturates in float32 long before the ordering of large logits stops
+mattering for the budget cap.
+
+``load`` is the one place that decides where W and tau come from (today: the
+pack; later: a trained router file).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+D_R = 32
+#: untrained default threshold (docs/sekv.md, "Threshold"): logit(tau) = -2
+TAU_DEFAULT = 1.0 / (1.0 + math.exp(2.0))
+
+
+@dataclass
+class Router:
+    w: torch.Tensor  # [L, Hw, d_r, d] float32
+    tau: torch.Tensor  # [L, H] float32, probability thresholds
+    source: str = "pack"
+
+    @property
+    def d_r(self) -> int:
+        return int(self.w.shape[-2])
+
+    def logit_tau(self) -> torch.Tensor:
+        t = self.tau.double().clamp(1e-12, 1 - 1e-12)
+        return torch.log(t / (1 - t)).float()
+
+
+def pca_init(keys: torch.Tensor, d_r: int = D_R, kbar: torch.Tensor | None = None) -> torch.Tensor:
+    """keys [Hkv, N, d] (post-RoPE) -> W [Hkv, d_r, d]: top principal directions, scaled (see module doc)."""
+    k = keys.float()
+    hkv, n, d = k.shape
+    m = (k.transpose(1, 2) @ k).double() / max(n, 1)  # [Hkv, d, d]
+    evals, evecs = torch.linalg.eigh(m)
+    r = min(d_r, d)
+    w = evecs.flip(-1)[..., :r].transpose(1, 2).float()  # [Hkv, r, d], orthonormal rows
+    if r < d_r:
+        w = torch.cat([w, w.new_zeros(hkv, d_r - r, d)], 1)
+    ref = kbar if kbar is not None and kbar.shape[1] > 0 else k
+    proj = (ref.float() @ w.transpose(1, 2)).norm(dim=-1)  # [Hkv, S]
+    c = math.sqrt(d_r / d) * proj.median(dim=1).values.clamp_min(1e-6)
+    return w * c.view(-1, 1, 1)
+
+
+def span_norms(w: torch.Tensor, kbar: torch.Tensor) -> torch.Tensor:
+    """||W k-_i|| per (W index, span): w [Hw, d_r, d], kbar [Hkv, S, d] -> [Hw, S]."""
+    hw, hkv = w.shape[0], kbar.shape[0]
+    kb = kbar.float()
+    if hw != hkv:  # one W per query head: each sees its group's mean keys
+        kb = kb.repeat_interleave(hw // hkv, 0)
+    return (kb @ w.float().transpose(1, 2)).norm(dim=-1)
+
+
+def gate_logits(query: torch.Tensor, w: torch.Tensor, kbar: torch.Tensor, inv_norm: torch.Tensor, log_n: torch.Tensor) -> torch.Tensor:
+    """Gate logits [H, q, S] of every (query head, query token, span).
+
+    query [H, q, d] (post-RoPE); w [Hw, d_r, d]; kbar [Hkv, S, d];
+    inv_norm [Hw, S] = 1 / (||W k-_i|| sqrt(d_r)); log_n [S].  Three batched products.
+    """
+    h, q, d = query.shape
+    hw, hkv, s = w.shape[0], kbar.shape[0], kbar.shape[1]
+    wf = w.float()
+    qf = query.float().reshape(hw, (h // hw) * q, d)
+    u = torch.bmm(torch.bmm(qf, wf.transpose(1, 2)), wf)  # W^T W q  [Hw, Gw*q, d]
+    dots = torch.bmm(u.reshape(hkv, (h // hkv) * q, d), kbar.float().transpose(1, 2)).view(h, q, s)
+    scale = inv_norm.float().unsqueeze(1).expand(hw, h // hw, s).reshape(h, 1, s)
+    return torch.addcmul(log_n.view(1, 1, s), dots, scale)
+
+
+def load(store, params: dict, shape) -> Router:
+    """W and tau for a memory: the pack's untrained router (the swap point for a trained one)."""
+    w = torch.stack([store.get(f"sekv.router.w.{i}").float() for i in range(shape.n_layers)])
+    tau = store.get("sekv.router.tau").float()
+    if params.get("tau", 0) and float(params["tau"]) > 0:
+        tau = torch.full_like(tau, float(params["tau"]))
+    return Router(w, tau, "pack")

@@ -1,0 +1,150 @@
+"""Entropy-guided segmentation (SPEC §1.1-1.2): surprisal -> anchors + spans.
+
+Every document position ends up in exactly one of two places:
+
+* ``full_idx`` -- kept at full resolution: the first ``n_sink`` tokens
+  (attention sinks), the kept boundary ("anchor") tokens, the tokens of any
+  region too short to form a span, and the last ``window`` tokens;
+* one compressed span ``[span_start[i], span_end[i])``.
+
+Boundaries are the positions with s_t > mu + alpha * sigma (statistics over the
+document without the sinks).  A boundary that would leave fewer than
+``min_span`` tokens since the previous kept boundary is dropped (its token joins
+the span); a span longer than ``max_span`` is split evenly (no anchor at the cut).
+The greedy merge walks the candidate boundaries once (O(#boundaries)); all
+per-token work is vectorised.
+
+``auto_lengths`` gives the budget-driven defaults (docs/sekv.md has the measured
+shares behind the constants).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+#: share of the budget b*N the persistent anchors + coarse entries may take (see docs/sekv.md)
+SPAN_SHARE = 0.25
+#: share of the budget b*N the local window takes
+WINDOW_SHARE = 0.25
+WINDOW_MAX = 512
+
+
+@dataclass
+class Segmentation:
+    n_tokens: int
+    full_idx: torch.Tensor  # [F] int64, sorted
+    anchor_idx: torch.Tensor  # [A] int64, the kept boundary tokens (a subset of full_idx)
+    span_start: torch.Tensor  # [S] int64, sorted
+    span_end: torch.Tensor  # [S] int64, exclusive
+
+    @property
+    def n_spans(self) -> int:
+        return int(self.span_start.numel())
+
+    @property
+    def span_len(self) -> torch.Tensor:
+        return self.span_end - self.span_start
+
+    def span_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, span id) of every compressed token, in span order."""
+        return span_token_index(self.span_start, self.span_end)
+
+
+def span_token_index(start: torch.Tensor, end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions covered by the spans, concatenated in span order, and each one's span id."""
+    n = end - start
+    sid = torch.repeat_interleave(torch.arange(n.numel(), device=start.device), n)
+    first = torch.cumsum(n, 0) - n  # offset of each span in the flat list
+    pos = start[sid] + torch.arange(int(n.sum()), device=start.device) - first[sid]
+    return pos, sid
+
+
+def auto_lengths(n_tokens: int, budget: float) -> tuple[int, int, int]:
+    """(min_span, max_span, window) for a document of n_tokens at a budget fraction b.
+
+    * window = min(512, floor(0.25 * b * N)): a quarter of the budget;
+    * min_span = max(4, ceil(2 / (0.25 * b))): each span costs two persistent
+      entries (its anchor and its coarse mean), so spans of at least 2/(0.25 b)
+      tokens keep anchors + coarse entries within 25% of b*N (less in practice:
+      the measured mean span is longer than the minimum);
+    * max_span = 2 * min_span: even splits then never produce a piece shorter
+      than min_span, and one span stays a small fraction of the expansion budget.
+    """
+    b = max(float(budget), 1e-4)
+    window = int(min(WINDOW_MAX, math.floor(WINDOW_SHARE * b * n_tokens)))
+    min_span = max(4, math.ceil(2.0 / (SPAN_SHARE * b)))
+    return min_span, 2 * min_span, window
+
+
+def boundary_candidates(surprisal: torch.Tensor, alpha: float, n_sink: int, lo: int, hi: int) -> torch.Tensor:
+    """Positions in [lo, hi) whose surprisal exceeds mu + alpha * sigma (stats without the sinks)."""
+    s = surprisal.float()
+    body = s[n_sink:] if s.numel() > n_sink else s
+    if body.numel() < 2:
+        return torch.empty(0, dtype=torch.long)
+    mu, sigma = body.mean(), body.std()
+    if not torch.isfinite(sigma) or sigma <= 0:
+        return torch.empty(0, dtype=torch.long)
+    hit = s[lo:hi] > mu + alpha * sigma
+    return torch.nonzero(hit).flatten() + lo
+
+
+def _merge(cands: list[int], lo: int, hi: int, min_span: int) -> list[int]:
+    """Greedy: keep a boundary only if >= min_span tokens lie between it and the previous kept one."""
+    kept: list[int] = []
+    prev = lo - 1  # virtual boundary just before the region
+    for p in cands:
+        if p - prev - 1 >= min_span:
+            kept.append(p)
+            prev = p
+    # the last span must be long enough too: merge it into its left neighbour
+    if kept and hi - kept[-1] - 1 < min_span:
+        kept.pop()
+    return kept
+
+
+def _split(start: torch.Tensor, end: torch.Tensor, max_span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split spans longer than max_span into ceil(n / max_span) nearly equal pieces."""
+    n = end - start
+    pieces = torch.clamp((n + max_span - 1) // max_span, min=1)
+    sid = torch.repeat_interleave(torch.arange(n.numel()), pieces)
+    k = torch.arange(int(pieces.sum())) - (torch.cumsum(pieces, 0) - pieces)[sid]
+    # piece k of span covers [start + floor(k*n/p), start + floor((k+1)*n/p))
+    a = start[sid] + (k * n[sid]) // pieces[sid]
+    b = start[sid] + ((k + 1) * n[sid]) // pieces[sid]
+    return a, b
+
+
+def segment(
+    surprisal: torch.Tensor,
+    *,
+    alpha: float = 1.0,
+    min_span: int,
+    max_span: int,
+    n_sink: int = 4,
+    window: int,
+) -> Segmentation:
+    s = surprisal.detach().float().cpu().flatten()
+    n = int(s.numel())
+    min_span = max(1, int(min_span))
+    max_span = max(min_span, int(max_span))
+    lo = min(max(int(n_sink), 0), n)
+    hi = max(lo, n - max(int(window), 0))
+    empty = torch.empty(0, dtype=torch.long)
+    if hi - lo < min_span:  # nothing long enough to compress
+        return Segmentation(n, torch.arange(n), empty, empty.clone(), empty.clone())
+
+    cands = boundary_candidates(s, alpha, lo, lo, hi).tolist()
+    kept = torch.tensor(_merge(cands, lo, hi, min_span), dtype=torch.long)
+    start = torch.cat([torch.tensor([lo]), kept + 1])
+    end = torch.cat([kept, torch.tensor([hi])])
+    start, end = _split(start, end, max_span)
+
+    covered = torch.zeros(n + 1, dtype=torch.long)
+    covered.index_add_(0, start, torch.ones_like(start))
+    covered.index_add_(0, end, -torch.ones_like(end))
+    full_idx = torch.nonzero(torch.cumsum(covered, 0)[:n] == 0).flatten()
+    return Segmentation(n, full_idx, kept, start, end)

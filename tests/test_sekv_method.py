@@ -1,0 +1,211 @@
+"""The `sekv` cache method end to end: exactness at full expansion, stats, pack v2 round trip, a real model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from sekv_core import methods, runtime
+from sekv_core.methods.base import GrowingKV
+from sekv_core.methods.full import FullMemory
+from sekv_core.pack import read_pack, write_pack
+from sekv_core.prefill import prefill
+
+ROOT = Path(__file__).resolve().parent.parent
+EXACT = {
+    "zoom": "all",
+    "budget": 1.0,
+    "energy_k": 1.0,
+    "energy_v": 1.0,
+    "rank_max": 64,
+    "factors_8bit": False,
+    "factor_dtype": "float32",
+    "min_span": 8,
+    "window": 16,
+}
+STAT_KEYS = {"zoom_spans_step", "zoom_spans_total", "h2d_bytes_step", "h2d_bytes_total", "zoom_rate_per_layer", "span_zoom_counts", "budget_bytes"}
+
+
+class Store(dict):
+    def get(self, name):
+        return self[name]
+
+
+def tiny(kind: str, attn: str | None = None):
+    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=300, max_position_embeddings=4096)
+    cfg = transformers.Qwen2Config(**common) if kind == "qwen2" else transformers.LlamaConfig(**common, rope_theta=50000.0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn or "sdpa").eval()
+    return model
+
+
+def _setup(kind: str, n: int = 400, **params):
+    model = tiny(kind)
+    ref = tiny(kind)  # plain transformers (SDPA), same weights
+    ref.load_state_dict(model.state_dict())
+    runtime.install(model)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 300, (n,), generator=g)
+    res = prefill(model, ids, with_surprisal=True, chunk=128)
+    m = methods.get("sekv")
+    p = m.resolve_params(params)
+    store = Store(m.compress(res, p))
+    mem = m.open(store, p, res.shape, "cpu")
+    full = FullMemory(GrowingKV.from_tensors(res.keys, res.values, "cpu"), res.shape)
+    return model, ref, ids, res, store, p, mem, full
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("key_space", ["pre_rope", "post_rope"])
+def test_full_expansion_equals_full_kv(kind, key_space):
+    model, ref, ids, res, store, p, mem, full = _setup(kind, key_space=key_space, **EXACT)
+    assert mem.n_spans > 5 and mem.pre_rope == (key_space == "pre_rope")
+    q = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(2))
+    a = runtime.forward_logits(model, q, mem.n_tokens(), mem, last_only=False)
+    b = runtime.forward_logits(model, q, full.n_tokens(), full, last_only=False)
+    with torch.inference_mode():
+        c = ref(torch.cat([ids.view(1, -1), q], 1)).logits[:, -q.shape[1] :].float()
+    assert torch.allclose(a, b, atol=2e-4, rtol=1e-4), (a - b).abs().max()
+    assert torch.allclose(a, c, atol=2e-4, rtol=1e-4), (a - c).abs().max()
+    for _ in range(3):  # decode steps
+        nxt = b[:, -1:].argmax(-1)
+        a = runtime.forward_logits(model, nxt, mem.n_tokens(), mem)
+        b = runtime.forward_logits(model, nxt, full.n_tokens(), full)
+        assert torch.allclose(a, b, atol=2e-4, rtol=1e-4)
+    st = mem.step_stats()
+    assert st.extra["zoom_spans_step"] == mem.n_spans
+    assert st.extra["zoom_rate_per_layer"] == [1.0, 1.0]
+
+
+def test_router_path_stats_truncate_and_spans():
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.2, min_span=10)
+    n0 = mem.n_tokens()
+    assert n0 == 600
+    q = torch.randint(0, 300, (1, 6))
+    for step in range(3):
+        runtime.forward_logits(model, q if step == 0 else q[:, :1], mem.n_tokens(), mem)
+    st = mem.step_stats()
+    assert set(st.extra) == STAT_KEYS
+    x = st.extra
+    assert x["zoom_spans_total"] >= x["zoom_spans_step"] >= 0
+    assert x["h2d_bytes_total"] >= x["h2d_bytes_step"] >= 0
+    assert len(x["zoom_rate_per_layer"]) == 2 and all(0 <= r <= 1 for r in x["zoom_rate_per_layer"])
+    assert all(0 <= int(k) < mem.n_spans and v > 0 for k, v in x["span_zoom_counts"].items())
+    assert st.resident_bytes <= x["budget_bytes"] or st.resident_bytes == mem.resident_bytes()
+    assert mem.n_tokens() == n0 + 8
+    spans = mem.spans()
+    assert len(spans) == mem.n_spans and all(0 <= a < b <= 600 for a, b in spans)
+    # truncate drops appended tokens; this ask's stats stay readable until the next forward
+    mem.truncate(n0)
+    assert mem.n_tokens() == n0
+    assert mem.step_stats().extra["zoom_spans_total"] == x["zoom_spans_total"]
+    runtime.forward_logits(model, q[:, :1], mem.n_tokens(), mem)  # a new ask: its stats start from zero
+    y = mem.step_stats().extra
+    assert y["zoom_spans_total"] == y["zoom_spans_step"]
+    assert sum(y["span_zoom_counts"].values()) <= 2 * 4 * mem.n_spans  # one step: at most every (layer, head, span)
+    # after truncation the answer is reproducible: same logits for the same tokens
+    mem.truncate(n0)
+    l1 = runtime.forward_logits(model, q, mem.n_tokens(), mem)
+    mem.truncate(n0)
+    l2 = runtime.forward_logits(model, q, mem.n_tokens(), mem)
+    assert torch.equal(l1, l2)
+
+
+def test_no_zoom_is_close_to_but_not_full_kv():
+    model, ref, ids, res, store, p, mem, full = _setup("llama", zoom="none", min_span=8, window=16)
+    q = torch.randint(0, 300, (1, 4))
+    a = runtime.forward_logits(model, q, mem.n_tokens(), mem)
+    b = runtime.forward_logits(model, q, full.n_tokens(), full)
+    assert torch.isfinite(a).all()
+    assert not torch.allclose(a, b, atol=1e-4)
+    assert mem.step_stats().extra["zoom_spans_step"] == 0
+
+
+def test_pack_round_trip(tmp_path):
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=500, budget=0.15, min_span=10)
+    path = write_pack(tmp_path / "t.sekv", {"format_version": 2, "method": "sekv", "method_params": p}, dict(store))
+    pack = read_pack(tmp_path / "t.sekv")
+    assert pack.manifest["format_version"] == 2
+    assert set(pack.keys()) == set(store)
+    for k, v in store.items():
+        got = pack.get(k)
+        assert got.dtype == v.dtype and torch.equal(got, v), k
+    mem2 = methods.get("sekv").open(pack, p, res.shape, "cpu")
+    q = torch.randint(0, 300, (1, 5))
+    a = runtime.forward_logits(model, q, mem.n_tokens(), mem)
+    b = runtime.forward_logits(model, q, mem2.n_tokens(), mem2)
+    assert torch.equal(a, b)
+    d = methods.get("sekv").describe(pack, p)
+    assert d["spans"] == mem.n_spans and d["pack_tensor_bytes"] > 0
+    assert set(d["effective_rank_histogram"]["keys"]) >= {"0-4", "5-8", "9-16", "17-32"}
+    assert sum(d["effective_rank_histogram"]["keys"].values()) == 2 * 2 * mem.n_spans
+    assert path > 0
+
+
+def test_describe_and_compress_budget_accounting():
+    _, _, _, res, store, p, mem, _ = _setup("llama", n=800, budget=0.1)
+    d = methods.get("sekv").describe(store, p)
+    assert 0 < d["full_resolution_share"] < 1
+    assert d["raw_kv_fp16_bytes"] == 800 * 2 * 2 * 2 * 16 * 2
+    assert d["key_space"] == "pre_rope"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# a real model
+
+
+@pytest.mark.integration
+def test_smollm_full_expansion_and_session(tmp_path):
+    from sekv_core import models
+    from sekv_core.documents import load_document
+    from sekv_core.ingest import ingest, tokenize_document
+    from sekv_core.session import Session
+
+    lm = models.load("smollm2-135m", device="cpu", dtype=torch.float32)
+    doc = ROOT / "sample_docs" / "lighthouse_keepers_log.md"
+    ids, _ = tokenize_document(lm, load_document(doc))
+    res = prefill(lm.model, torch.tensor(ids[:700]), with_surprisal=True)  # the exactness check needs no more
+    m = methods.get("sekv")
+    p = m.resolve_params({**EXACT, "min_span": 20, "window": -1})
+    mem = m.open(Store(m.compress(res, p)), p, res.shape, "cpu")
+    full = FullMemory(GrowingKV.from_tensors(res.keys, res.values, "cpu"), res.shape)
+    q = torch.tensor([lm.tokenizer("Question: how many steps?", add_special_tokens=False)["input_ids"]])
+    a = runtime.forward_logits(lm.model, q, mem.n_tokens(), mem, last_only=False)
+    b = runtime.forward_logits(lm.model, q, full.n_tokens(), full, last_only=False)
+    assert mem.n_spans > 10
+    assert torch.allclose(a, b, atol=5e-4, rtol=1e-4), (a - b).abs().max()
+
+    r = ingest(doc, tmp_path / "log.sekv", lm=lm, method="sekv")
+    pack = read_pack(r.pack_path)
+    assert pack.manifest["format_version"] == 2 and pack.method == "sekv"
+    s = Session.open(r.pack_path, lm=lm)
+    ans = s.ask("How many steps does the Skarvholm tower have from the door to the lantern room?", max_new_tokens=12)
+    assert ans.text and set(ans.stats.extra) == STAT_KEYS
+    assert ans.stats.resident_kv_bytes_peak <= ans.stats.extra["budget_bytes"]
+    s2 = Session.open(r.pack_path, lm=lm, params={"budget": 0.2})
+    assert s2.params["budget"] == 0.2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_path_matches_cpu():
+    """Pinned staging + side-stream copies: CUDA gives the CPU's zoom decisions and (nearly) its logits."""
+    for params in (EXACT, {"budget": 0.2, "min_span": 10}):
+        model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, **params)
+        gpu_model = tiny("qwen2").cuda()
+        gpu_model.load_state_dict(model.state_dict())
+        runtime.install(gpu_model)
+        gmem = methods.get("sekv").open(store, p, res.shape, "cuda")
+        q = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(3))
+        a = runtime.forward_logits(model, q, mem.n_tokens(), mem, last_only=False)
+        b = runtime.forward_logits(gpu_model, q.cuda(), gmem.n_tokens(), gmem, last_only=False).cpu()
+        assert torch.allclose(a, b, atol=1e-3, rtol=1e-3), (a - b).abs().max()
+        for _ in range(4):
+            nxt = a[:, -1:].argmax(-1)
+            a = runtime.forward_logits(model, nxt, mem.n_tokens(), mem)
+            b = runtime.forward_logits(gpu_model, nxt.cuda(), gmem.n_tokens(), gmem).cpu()
+            assert torch.allclose(a, b, atol=1e-3, rtol=1e-3)
+        x, y = mem.step_stats().extra, gmem.step_stats().extra
+        assert x["zoom_spans_total"] == y["zoom_spans_total"] and x["h2d_bytes_total"] == y["h2d_bytes_total"]
