@@ -35,6 +35,9 @@ def _register() -> None:
     app.command("chat")(cmd_chat.chat)
     app.command("inspect")(cmd_inspect.inspect)
     app.add_typer(cmd_models.app, name="models")
+    from . import cmd_bench
+
+    app.command("bench")(cmd_bench.bench)
 
 
 _register()

@@ -1,0 +1,434 @@
+"""The benchmark runner: prefill each context once, then every method x budget from memory.
+
+For each context (one generated document): prefill once (with surprisal when a
+pending method needs it); then, for each method and budget, ``compress`` the
+prefill, ``open`` the memory straight from the in-memory tensors (a dict-backed
+store: no pack file), and answer every question greedily, resetting the memory
+to the document between questions.  One JSON line per cell goes to
+``DIR/results.jsonl`` as soon as it is done.
+
+Resumable: a cell whose key (task, item, length, depth, seed, method, budget,
+model) is already in the file without an error is skipped, and a context whose
+cells are all done is not even prefilled.  Cells that failed are written with an
+``error`` field and retried on the next run.
+
+``full`` is always run first for each context (also when not asked for): it is the
+reference for ``identical_to_full`` (the answer's token ids equal full's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from .. import __version__, methods, models, prompt
+from ..errors import SekvError
+from ..generate import generate
+from ..methods.base import DictStore, ModelShape
+from ..prefill import prefill
+from . import scoring, tasks
+
+RESULTS_FILE = "results.jsonl"
+REFERENCE = "full"
+KEY_FIELDS = ("task", "item", "length", "depth", "seed", "method", "budget", "model")
+
+
+class SharedPrefillModified(SekvError):
+    """A method's compress() wrote into the prefill that the other methods share: the run stops."""
+
+
+@dataclass
+class BenchConfig:
+    tasks: list[str]
+    methods: list[str]
+    budgets: list[float]
+    lengths: list[int]
+    depths: list[float]
+    seed: int = 0
+    limit: int | None = None  # at most this many questions per task
+    haystack: Path | None = None
+    max_new_tokens: int | None = None  # overrides each task's default
+
+
+@dataclass
+class Outcome:
+    cells: int = 0  # cells in the plan
+    skipped: int = 0  # already in results.jsonl
+    added: int = 0
+    errors: list[str] = field(default_factory=list)
+    prefills: int = 0
+
+
+class Reporter:
+    """Progress callbacks (no-ops here; the CLI draws a Rich progress bar)."""
+
+    def start(self, total: int) -> None: ...
+
+    def context(self, ctx: tasks.Context, pending: int) -> None: ...
+
+    def stage(self, text: str) -> None: ...
+
+    def cell(self, record: dict) -> None: ...
+
+    def warn(self, message: str) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# keys and the results file
+
+
+def _norm_budget(b: float | None) -> float | None:
+    return None if b is None else round(float(b), 6)
+
+
+def cell_key(task: str, item: str, length: int, depth: float | None, seed: int, method: str, budget: float | None, model: str) -> str:
+    d = None if depth is None else round(float(depth), 6)
+    return json.dumps([task, item, int(length), d, int(seed), method, _norm_budget(budget), model])
+
+
+def record_key(rec: dict) -> str:
+    return cell_key(*(rec.get(k) for k in KEY_FIELDS))
+
+
+def read_results(path: Path) -> list[dict]:
+    """All records of a results file (a torn last line from a killed run is ignored)."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+class ResultsFile:
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_file() and path.stat().st_size:
+            with open(path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                torn = f.read(1) != b"\n"
+            if torn:
+                with open(path, "a", encoding="utf-8") as f:
+                    f.write("\n")
+
+    def append(self, rec: dict) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec, default=_json_default) + "\n")
+            f.flush()
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if isinstance(x, (set, tuple)):
+        return list(x)
+    return str(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# planning
+
+
+def method_grid(names: Iterable[str], budgets: list[float]) -> list[tuple[str, float | None]]:
+    """(method, budget) pairs, `full` first; methods without a `budget` parameter run once."""
+    names = list(dict.fromkeys(names))
+    order = [REFERENCE] + [n for n in names if n != REFERENCE]
+    grid: list[tuple[str, float | None]] = []
+    for n in order:
+        m = methods.get(n)
+        if "budget" in m.default_params:
+            grid += [(n, _norm_budget(b)) for b in budgets]
+        else:
+            grid.append((n, None))
+    return grid
+
+
+def plan_contexts(tokenizer, cfg: BenchConfig) -> list[tasks.Context]:
+    """Every context of every task, probes capped at cfg.limit per task."""
+    essays = None
+    if any(t in tasks.HAYSTACK_TASKS for t in cfg.tasks):
+        essays = tasks.load_haystack(cfg.haystack)
+    out: list[tasks.Context] = []
+    for t in cfg.tasks:
+        left = cfg.limit
+        for ctx in tasks.generate(t, tokenizer, lengths=cfg.lengths, depths=cfg.depths, seed=cfg.seed, essays=essays):
+            if left is not None:
+                ctx.probes = ctx.probes[:left]
+                left -= len(ctx.probes)
+            if ctx.probes:
+                out.append(ctx)
+            if left is not None and left <= 0:
+                break
+    return out
+
+
+def machine_info(device: torch.device) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    dev = str(device)
+    if device.type == "cuda":
+        dev = torch.cuda.get_device_name(device)
+    return f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, device {dev}"
+
+
+def method_stats(extra: dict | None) -> dict | None:
+    """A memory's step_stats().extra (zoom statistics, kept tokens, ...), JSON-ready;
+    span_zoom_counts is reduced to its size and total."""
+    if not extra:
+        return None
+    out: dict[str, Any] = {}
+    for k, v in extra.items():
+        if isinstance(v, torch.Tensor):
+            v = v.tolist()
+        if k == "span_zoom_counts":
+            vals = list(v.values()) if isinstance(v, dict) else list(v or [])
+            out["spans_zoomed"] = len(vals)
+            out["span_zooms_total"] = float(sum(float(x) for x in vals)) if vals else 0
+            continue
+        out[k] = v
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# running
+
+
+def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter: Reporter | None = None) -> Outcome:
+    reporter = reporter or Reporter()
+    out_dir = Path(out_dir)
+    results = ResultsFile(out_dir / RESULTS_FILE)
+    existing = read_results(results.path)
+    done = {record_key(r) for r in existing if not r.get("error")}
+    reference: dict[str, list[int]] = {}  # probe key (method-free) -> full's answer ids
+    for r in existing:
+        if r.get("method") == REFERENCE and not r.get("error"):
+            reference[_probe_key(r["task"], r["item"], r["length"], r["depth"], r["seed"], r["model"])] = r["answer_ids"]
+
+    model, tok = lm.model, lm.tokenizer
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    shape = ModelShape.of(lm.config, dtype)
+    stop_ids = prompt.stop_token_ids(tok, getattr(model, "generation_config", None))
+    grid = method_grid(cfg.methods, cfg.budgets)
+    machine = machine_info(device)
+    window = models.context_window(lm.config)
+
+    reporter.stage("generating tasks")
+    contexts = plan_contexts(tok, cfg)
+    q_ids: dict[int, list[list[int]]] = {}
+    for ci, ctx in enumerate(contexts):
+        q_ids[ci] = [prompt.encode(tok, prompt.question_suffix(tok, p.question)) for p in ctx.probes]
+        longest = max(len(q) + _max_new(cfg, p) for q, p in zip(q_ids[ci], ctx.probes))
+        if window and ctx.n_tokens + longest > window:
+            raise SekvError(
+                f"{ctx.task} at {ctx.length} tokens + question and answer ({longest} tokens) exceeds "
+                f"{lm.model_id}'s context window of {window}; use shorter --lengths"
+            )
+
+    outcome = Outcome()
+    pending_by_ctx: list[list[tuple[int, str, float | None]]] = []
+    for ctx in contexts:
+        pend = []
+        for pi, p in enumerate(ctx.probes):
+            for m, b in grid:
+                outcome.cells += 1
+                if cell_key(ctx.task, p.item, ctx.length, ctx.depth, ctx.seed, m, b, lm.model_id) in done:
+                    outcome.skipped += 1
+                else:
+                    pend.append((pi, m, b))
+        pending_by_ctx.append(pend)
+    reporter.start(sum(len(p) for p in pending_by_ctx))
+
+    for ci, (ctx, pend) in enumerate(zip(contexts, pending_by_ctx)):
+        if not pend:
+            continue
+        reporter.context(ctx, len(pend))
+        ids = torch.tensor(prompt.encode(tok, prompt.document_prefix(tok, ctx.document)))
+        pend_methods = {(m, b) for _, m, b in pend}
+        need_s = any(methods.get(m).needs_surprisal for m, _ in pend_methods)
+        reporter.stage(f"prefill {ids.numel()} tokens")
+        t0 = time.perf_counter()
+        pre, prefill_with = _prefill_for(model, tok, ids, need_s, pend_methods)
+        prefill_s = time.perf_counter() - t0
+        outcome.prefills += 1
+        stamp = _fingerprint(pre)
+
+        for m, b in grid:
+            todo = [pi for pi, mm, bb in pend if mm == m and bb == b]
+            if not todo:
+                continue
+            method = methods.get(m)
+            label = m if b is None else f"{m}@{b:g}"
+            base_rec = {
+                "task": ctx.task, "length": ctx.length, "depth": ctx.depth, "seed": ctx.seed, "method": m, "budget": b,
+                "model": lm.model_id, "n_tokens": int(ids.numel()), "prefill_s": round(prefill_s, 4),
+                "prefill_tok_per_s": round(ids.numel() / max(prefill_s, 1e-9), 1), "prefill_with": prefill_with,
+                "sekv_version": __version__,
+                "machine": machine, "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+            }
+            try:
+                params = method.resolve_params({"budget": b} if b is not None else {})
+                reporter.stage(f"{label}: compress")
+                torch.manual_seed(cfg.seed)
+                t1 = time.perf_counter()
+                tensors = {k: v.cpu() for k, v in method.compress(_view_for(pre, method, params), params).items()}
+                compress_s = time.perf_counter() - t1
+                if _fingerprint(pre) != stamp:  # every later method would see corrupted K/V
+                    raise SharedPrefillModified(f"method '{m}' changed the prefill's K/V in place in compress(); the benchmark shares one "
+                                    "prefill between methods, so its results would be wrong: make compress() copy before writing")
+                t2 = time.perf_counter()
+                memory = method.open(DictStore(tensors), params, shape, device)
+                open_s = time.perf_counter() - t2
+                base = memory.n_tokens()
+            except SharedPrefillModified:
+                raise
+            except Exception as e:  # a broken method must not stop the sweep; the cells are retried next run
+                msg = f"{label} on {ctx.task}/{ctx.length}/{ctx.depth}: {type(e).__name__}: {e}"
+                outcome.errors.append(msg)
+                reporter.warn(msg)
+                for pi in todo:
+                    results.append({**base_rec, "item": ctx.probes[pi].item, "error": f"{type(e).__name__}: {e}"})
+                    reporter.cell({})
+                continue
+            for pi in todo:
+                probe = ctx.probes[pi]
+                pkey = _probe_key(ctx.task, probe.item, ctx.length, ctx.depth, ctx.seed, lm.model_id)
+                rec = {**base_rec, "item": probe.item, "params": params}
+                try:
+                    reporter.stage(f"{label}: answer")
+                    memory.truncate(base)
+                    load = _load_avg()
+                    ans_ids, stats = generate(model, memory, q_ids[ci][pi], max_new_tokens=_max_new(cfg, probe), stop_ids=stop_ids)
+                    extra = memory.step_stats().extra
+                    memory.truncate(base)
+                except Exception as e:
+                    msg = f"{label} on {ctx.task}/{ctx.length}/{ctx.depth}: {type(e).__name__}: {e}"
+                    outcome.errors.append(msg)
+                    reporter.warn(msg)
+                    results.append({**rec, "error": f"{type(e).__name__}: {e}"})
+                    reporter.cell({})
+                    continue
+                answer = tok.decode(ans_ids, skip_special_tokens=True).strip()
+                correct, frac = scoring.score(answer, probe)
+                if m == REFERENCE:
+                    reference[pkey] = ans_ids
+                ref = reference.get(pkey)
+                rec.update(
+                    question=probe.question,
+                    expected=probe.expected,
+                    answer=answer,
+                    answer_ids=ans_ids,
+                    correct=bool(correct),
+                    score=frac,
+                    identical_to_full=None if ref is None else ans_ids == ref,
+                    resident_kv_bytes_peak=stats.resident_kv_bytes_peak,
+                    full_kv_bytes=stats.full_kv_bytes,
+                    resident_fraction=stats.resident_kv_bytes_peak / max(stats.full_kv_bytes, 1),
+                    ttft_s=round(stats.ttft_s, 5),
+                    decode_s=round(stats.decode_s, 5),
+                    tokens_per_s=round(stats.tokens_per_s, 3),
+                    question_tokens=stats.question_tokens,
+                    generated_tokens=stats.generated_tokens,
+                    stop_reason=stats.stop_reason,
+                    compress_s=round(compress_s, 4),
+                    open_s=round(open_s, 4),
+                    gpu_peak_bytes=stats.gpu_peak_bytes,
+                    rss_bytes=stats.rss_bytes,
+                    method_stats=method_stats(extra),
+                    load_avg_1m=load,
+                    time=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                )
+                results.append(rec)
+                outcome.added += 1
+                reporter.cell(rec)
+            del memory, tensors  # freed by reference counting (gc.collect() here costs more than a tiny cell)
+        del pre
+    return outcome
+
+
+def _fingerprint(pre) -> float:
+    """A cheap checksum of the prefill's K/V (to catch a compress() that writes into them)."""
+    return float(sum(torch.nan_to_num(t.float()).abs().sum(dtype=torch.float64) for t in (*pre.keys, *pre.values)))
+
+
+def _needs_scores(method) -> tuple[str, ...]:
+    return tuple(getattr(method, "needs_scores", ()) or ())
+
+
+def _obs_window(method, params: dict) -> int:
+    return int(params.get("window", 64))  # as ingest does
+
+
+def _prefill_for(model, tok, ids: torch.Tensor, with_surprisal: bool, pairs: set[tuple[str, float | None]]):
+    """One prefill serving every pending method: surprisal and the union of the prefill statistics they need.
+
+    Returns (prefill result, what it computed besides K/V: its time, prefill_s, includes them).
+
+    Methods that read the observation window's queries get the widest window asked
+    for; _view_for() cuts it to each method's own window.
+    """
+    needs: set[str] = set()
+    window = 0
+    for m, b in pairs:
+        method = methods.get(m)
+        n = _needs_scores(method)
+        needs.update(n)
+        if "obs_queries" in n:
+            window = max(window, _obs_window(method, method.resolve_params({"budget": b} if b is not None else {})))
+    capture = tuple(sorted(x for x in needs if x != "token_text"))
+    kwargs = {"capture": capture, "obs_window": window or 64} if capture else {}
+    pre = prefill(model, ids, with_surprisal=with_surprisal, **kwargs)
+    if "token_text" in needs:
+        pre.scores["token_text"] = tok.batch_decode([[t] for t in ids.tolist()])
+    return pre, (["surprisal"] if with_surprisal else []) + sorted(needs)
+
+
+def _view_for(pre, method, params: dict):
+    """The prefill as this method's own ingest would have produced it (its observation window)."""
+    scores = getattr(pre, "scores", None)
+    if not scores or "obs_queries" not in _needs_scores(method) or "obs_window" not in scores:
+        return pre
+    w = min(_obs_window(method, params), int(scores["obs_window"]))
+    if w == int(scores["obs_window"]):
+        return pre
+    cut = dict(scores, obs_queries=[q[:, q.shape[1] - w :] for q in scores["obs_queries"]], obs_window=w)
+    return dataclasses.replace(pre, scores=cut)
+
+
+def _probe_key(task, item, length, depth, seed, model) -> str:
+    return cell_key(task, item, length, depth, seed, "", None, model)
+
+
+def _max_new(cfg: BenchConfig, probe: tasks.Probe) -> int:
+    return cfg.max_new_tokens or probe.max_new_tokens
+
+
+def _load_avg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
