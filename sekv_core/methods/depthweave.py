@@ -46,11 +46,16 @@ def auto_rank(params: dict[str, Any], n_tokens: int, shape: ModelShape, pre_rope
     """Basis rank (keys = values) for a budget: the largest in _RANKS (<= head_dim / 2) whose floor is at most
     AUTO_FLOOR_SHARE of the budget, leaving the rest to routed residuals (measured in docs/depthweave.md)."""
     budget = float(params["budget"])
+    top = int(str(params["levels"]).split(",")[-1])
     cands = [r for r in _RANKS if r <= shape.head_dim // 2] or [max(1, shape.head_dim // 2)]
-    for r in reversed(cands):
-        spec = codec.Spec.build(dict(params, rank_k=r, rank_v=r), n_tokens, shape.n_layers, shape.n_kv_heads, shape.head_dim, pre_rope)
-        if floor_fraction(spec, shape, int(params["chunk"])) <= AUTO_FLOOR_SHARE * min(budget, 1.0):
-            return r
+    # ranks whose complement splits evenly into the top level's channels first (the top level then restores
+    # the whole residual; rank 12 of 64 would leave 4 channels out), the others only when nothing else fits
+    whole = [r for r in cands if (shape.head_dim - r) % top == 0]
+    for group in (whole, [r for r in cands if r not in whole]):
+        for r in reversed(group):
+            spec = codec.Spec.build(dict(params, rank_k=r, rank_v=r), n_tokens, shape.n_layers, shape.n_kv_heads, shape.head_dim, pre_rope)
+            if floor_fraction(spec, shape, int(params["chunk"])) <= AUTO_FLOOR_SHARE * min(budget, 1.0):
+                return r
     return cands[0]
 
 
