@@ -101,9 +101,11 @@ class DepthWeaveMemory(KVMemory):
         self.probe_every = int(params.get("probe_every", 16))
         self.question_routing = bool(int(params.get("question_routing", 1)))
         fused = str(params.get("fused", "auto"))
-        self.use_fused = fused != "off" and bool(spec.coef_bits and spec.res_bits) and fused_available(self.device)
+        # the kernel covers quantised packs whose keys and values both have (or both lack) residual channels
+        kernel_layout = bool(spec.coef_bits and spec.res_bits) and (spec.channels("k") > 0) == (spec.channels("v") > 0)
+        self.use_fused = fused != "off" and kernel_layout and fused_available(self.device)
         if fused == "on" and not self.use_fused:
-            raise SekvError("--fused on needs a CUDA device with triton installed")
+            raise SekvError("fused=on needs a CUDA device with triton installed and a quantised pack")
         self.ng = [torch.zeros(hkv, nc, dtype=torch.uint8, device=dev) for _ in range(M)]
         self.boff = [torch.zeros(hkv, -(-nc // codec.OFF_BLOCK), dtype=torch.int32, device=dev) for _ in range(M)]
         self.level: list[torch.Tensor | None] = [None] * M
@@ -116,7 +118,6 @@ class DepthWeaveMemory(KVMemory):
         self._dirty = False
         self._transient = self._peak = 0
         self._pending: list[tuple[int, int, float]] = []
-        self._stats: dict[str, Any] = {}
 
     # -- routing ---------------------------------------------------------------------------------------------
     def _reset_online(self) -> None:
