@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -119,6 +120,43 @@ def offsets(rank: torch.Tensor, span_len: torch.Tensor, d: int) -> tuple[torch.T
     return us_off, vt_off, row_off
 
 
+def decompose_spans(x: torch.Tensor, span_len: torch.Tensor, rank_max: int = 32, method: str = "gram") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every span's leading singular triplets, zero-padded.
+
+    x [Hkv, T, d] (span order) -> U*sigma [Hkv, S, n_max, R], sigma [Hkv, S, R], Vt [Hkv, S, R, d]
+    (float32, R = min(rank_max, d, n_max); components past a span's own min(n_i, d) are zero).
+    One batched decomposition per length bucket: no loop per span or head.
+    """
+    hkv, t, d = x.shape
+    n = span_len.long().to(x.device)
+    s = n.numel()
+    x = x.float()
+    first = torch.cumsum(n, 0) - n
+    n_max = int(n.max()) if s else 0
+    r_cap = max(0, min(rank_max, d, n_max))
+    us_pad = x.new_zeros(hkv, s, n_max, r_cap)
+    sig_pad = x.new_zeros(hkv, s, r_cap)
+    vt_pad = x.new_zeros(hkv, s, r_cap, d)
+    bl = _bucket_len(n)
+    xz = torch.cat([x, x.new_zeros(hkv, 1, d)], dim=1)  # row t is the zero row used for padding
+    for nb in torch.unique(bl).tolist():  # a handful of buckets, not spans
+        ids = torch.nonzero(bl == nb).flatten()
+        j = torch.arange(nb, device=x.device)
+        valid = j.view(1, -1) < n[ids].view(-1, 1)
+        src = torch.where(valid, first[ids].view(-1, 1) + j.view(1, -1), torch.full_like(valid, t, dtype=torch.long))
+        a = xz[:, src]  # [hkv, Sb, nb, d]
+        with single_thread():
+            us, sigma, vt = _decompose(a.reshape(-1, nb, d), method)
+        k = min(r_cap, us.shape[-1])
+        m = min(nb, n_max)
+        us_pad[:, ids, :m, :k] = us.reshape(hkv, -1, nb, us.shape[-1])[:, :, :m, :k]
+        sig_pad[:, ids, :k] = sigma.reshape(hkv, -1, sigma.shape[-1])[:, :, :k]
+        vt_pad[:, ids, :k] = vt.reshape(hkv, -1, vt.shape[-2], d)[:, :, :k]
+    # a span of n_i rows has at most n_i nonzero components: clear numerical noise past that
+    live = torch.arange(r_cap, device=x.device).view(1, 1, -1) < n.view(1, -1, 1)
+    return us_pad * live.unsqueeze(2), sig_pad * live, vt_pad * live.unsqueeze(-1)
+
+
 def factorize(
     x: torch.Tensor,
     span_len: torch.Tensor,
@@ -128,38 +166,36 @@ def factorize(
     int8: bool = False,
     dtype: torch.dtype = torch.float16,
     method: str = "gram",
+    keep: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Factors:
-    """x [Hkv, T, d]: the compressed tokens of one layer in span order (span i has span_len[i] rows)."""
-    hkv, t, d = x.shape
-    n = span_len.long()
-    s = n.numel()
-    x = x.float()
-    first = torch.cumsum(n, 0) - n
-    n_max = int(n.max()) if s else 0
-    r_cap = max(0, min(rank_max, d, n_max))
-    # every span's factors, padded: U*sigma [Hkv, S, n_max, r_cap] and Vt [Hkv, S, r_cap, d]
-    us_pad = x.new_zeros(hkv, s, n_max, r_cap)
-    vt_pad = x.new_zeros(hkv, s, r_cap, d)
-    rank = torch.zeros(hkv, s, dtype=torch.long)
-    bl = _bucket_len(n)
-    xz = torch.cat([x, x.new_zeros(hkv, 1, d)], dim=1)  # row t is the zero row used for padding
-    for nb in torch.unique(bl).tolist():  # a handful of buckets, not spans
-        ids = torch.nonzero(bl == nb).flatten()
-        j = torch.arange(nb)
-        valid = j.view(1, -1) < n[ids].view(-1, 1)
-        src = torch.where(valid, first[ids].view(-1, 1) + j.view(1, -1), torch.full_like(valid, t, dtype=torch.long))
-        a = xz[:, src]  # [hkv, Sb, nb, d]
-        with single_thread():
-            us, sigma, vt = _decompose(a.reshape(-1, nb, d), method)
-        rank[:, ids] = torch.minimum(choose_rank(sigma, energy, rank_max).view(hkv, -1), n[ids].view(1, -1))
-        k = min(r_cap, us.shape[-1])
-        m = min(nb, n_max)
-        us_pad[:, ids, :m, :k] = us.reshape(hkv, -1, nb, us.shape[-1])[:, :, :m, :k]
-        vt_pad[:, ids, :k] = vt.reshape(hkv, -1, vt.shape[-2], d)[:, :, :k]
+    """x [Hkv, T, d]: the compressed tokens of one layer in span order (span i has span_len[i] rows).
 
+    Rank rule: the energy rule (:func:`choose_rank`), or ``keep(sigma [Hkv, S, R]) -> bool [Hkv, S, R]``,
+    a per-component decision (the trained rank gate, sekv/rank_gate.py); kept components need not be a
+    prefix: they are moved to the front before packing.
+    """
+    n = span_len.long()
+    us_pad, sig_pad, vt_pad = decompose_spans(x, span_len, rank_max, method)
+    hkv, s, _, r_cap = us_pad.shape
+    if keep is None:
+        rank = torch.minimum(choose_rank(sig_pad.reshape(hkv * s, r_cap), energy, rank_max).view(hkv, s), n.view(1, -1))
+    else:
+        mask = keep(sig_pad) & (sig_pad > 0)
+        order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)  # kept components first, in order
+        us_pad = us_pad.gather(3, order.unsqueeze(2).expand_as(us_pad))
+        vt_pad = vt_pad.gather(2, order.unsqueeze(-1).expand_as(vt_pad))
+        rank = mask.sum(-1)
+    return pack(us_pad, vt_pad, rank, n, int8=int8, dtype=dtype)
+
+
+def pack(us_pad: torch.Tensor, vt_pad: torch.Tensor, rank: torch.Tensor, n: torch.Tensor, *, int8: bool, dtype: torch.dtype) -> Factors:
+    """Padded factors (leading ``rank`` components valid) -> the ragged packed layout."""
+    hkv, s, n_max, r_cap = us_pad.shape
+    d = vt_pad.shape[-1]
+    dev = us_pad.device
     # boolean selection walks (g, i, row, col) in row-major order: exactly the packed layout
-    rows_ok = torch.arange(n_max).view(1, 1, -1) < n.view(1, -1, 1)  # [1, S, n_max]
-    cols_ok = torch.arange(r_cap).view(1, 1, -1) < rank.unsqueeze(-1)  # [Hkv, S, r_cap]
+    rows_ok = torch.arange(n_max, device=dev).view(1, 1, -1) < n.to(dev).view(1, -1, 1)  # [1, S, n_max]
+    cols_ok = torch.arange(r_cap, device=dev).view(1, 1, -1) < rank.to(dev).unsqueeze(-1)  # [Hkv, S, r_cap]
     keep_us = rows_ok.unsqueeze(-1) & cols_ok.unsqueeze(2)
     keep_vt = cols_ok.unsqueeze(-1).expand(-1, -1, -1, d)
     rank16 = rank.to(torch.int16)
