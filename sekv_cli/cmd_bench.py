@@ -46,11 +46,15 @@ def parse_length(s: str) -> int:
     return n
 
 
-def parse_methods(text: str) -> list[str]:
+def parse_methods(text: str, ablations: str | None = None) -> list[str]:
+    """--methods (names, `all`, or variants `METHOD:key=value:ABLATION`) + --ablations (sekv's named ablations)."""
+    from sekv_core.bench import variants
+
     names = list(methods.REGISTRY) if text.strip() == "all" else parse_list(text, "methods", str)
-    for n in names:
-        methods.get(n)  # unknown name -> SekvError listing the registered ones
-    return names
+    names = [variants.parse(n).label for n in names]  # unknown method / parameter / ablation -> SekvError
+    if ablations:
+        names += variants.expand_ablations(ablations)
+    return list(dict.fromkeys(names))
 
 
 class RichReporter:
@@ -114,7 +118,10 @@ def print_report(out_dir: Path, no_plots: bool) -> None:
 def bench(
     task: str = typer.Argument(..., help=TASK_HELP),
     target: str = typer.Argument(None, help="with `report`: the results directory", show_default=False),
-    method_names: str = typer.Option("full", "--methods", help="comma-separated cache methods, or `all`; `full` always runs too (the reference)"),
+    method_names: str = typer.Option("full", "--methods", help="comma-separated cache methods, or `all`; `full` always runs too (the reference). "
+                                     "A variant: METHOD:key=value or METHOD:ABLATION, e.g. sekv:tau_mode=global"),
+    ablations: str = typer.Option(None, "--ablations", help="sekv's named ablations to add as variants (comma-separated, or `all`): "
+                                  "no-svd, fixed-chunks, no-anchors, mean-pool, global-tau, untrained-router"),
     budgets: str = typer.Option("0.05,0.1,0.2", "--budgets", help="resident KV fractions for methods with a `budget` parameter"),
     lengths: str = typer.Option("4K,8K", "--lengths", help="context lengths in model tokens of the document prefix (4096 or 4K)"),
     depths: str = typer.Option("0,25,50,75,100", "--depths", help="needle depths in percent (niah, mk_niah)"),
@@ -144,7 +151,7 @@ def bench(
 
     cfg = runner.BenchConfig(
         tasks=tasks.expand_tasks(task),
-        methods=parse_methods(method_names),
+        methods=parse_methods(method_names, ablations),
         budgets=parse_list(budgets, "budgets", float),
         lengths=parse_list(lengths, "lengths", parse_length),
         depths=parse_list(depths, "depths", float),

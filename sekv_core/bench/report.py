@@ -109,6 +109,17 @@ def summary_markdown(rows: list[dict], errors: list[dict], plots: list[Path], pl
     vs = variants(rows)
     ts = tasks_of(rows)
 
+    var_rows = {}
+    for r in rows:
+        if r.get("variant"):
+            var_rows.setdefault(r["method"], r)
+    if var_rows:
+        lines += ["## Variants", "", "Methods run with parameter overrides (`METHOD:ABLATION` / `METHOD:key=value`; "
+                  "docs/benchmarks.md, \"Ablations\"):", ""]
+        lines += _table(["variant", "method", "overrides"], [
+            [m, r.get("base_method", "?"), ", ".join(f"{k}={v}" for k, v in (r.get("overrides") or {}).items()) or "–"]
+            for m, r in var_rows.items()])
+
     lines += ["## Accuracy by method and budget", ""]
     both = ["all"] if len(ts) > 1 else []
     header = ["method", "budget"] + ts + both + ["identical to full", "resident KV (% of full, mean)", "TTFT s ‡", "decode tok/s ‡"]

@@ -35,7 +35,7 @@ from ..errors import SekvError
 from ..generate import generate
 from ..methods.base import DictStore, ModelShape
 from ..prefill import prefill
-from . import scoring, tasks
+from . import scoring, tasks, variants
 
 RESULTS_FILE = "results.jsonl"
 REFERENCE = "full"
@@ -153,7 +153,7 @@ def method_grid(names: Iterable[str], budgets: list[float]) -> list[tuple[str, f
     order = [REFERENCE] + [n for n in names if n != REFERENCE]
     grid: list[tuple[str, float | None]] = []
     for n in order:
-        m = methods.get(n)
+        m = methods.get(variants.parse(n).method)
         if "budget" in m.default_params:
             grid += [(n, _norm_budget(b)) for b in budgets]
         else:
@@ -269,7 +269,7 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
         reporter.context(ctx, len(pend))
         ids = torch.tensor(prompt.encode(tok, prompt.document_prefix(tok, ctx.document)))
         pend_methods = {(m, b) for _, m, b in pend}
-        need_s = any(methods.get(m).needs_surprisal for m, _ in pend_methods)
+        need_s = any(methods.get(variants.parse(m).method).needs_surprisal for m, _ in pend_methods)
         reporter.stage(f"prefill {ids.numel()} tokens")
         t0 = time.perf_counter()
         pre, prefill_with = _prefill_for(model, tok, ids, need_s, pend_methods)
@@ -281,17 +281,20 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
             todo = [pi for pi, mm, bb in pend if mm == m and bb == b]
             if not todo:
                 continue
-            method = methods.get(m)
+            variant = variants.parse(m)
+            method = methods.get(variant.method)
             label = m if b is None else f"{m}@{b:g}"
             base_rec = {
                 "task": ctx.task, "length": ctx.length, "depth": ctx.depth, "seed": ctx.seed, "method": m, "budget": b,
+                "base_method": variant.method, "variant": m.split(":", 1)[1] if ":" in m else None,
+                "overrides": variant.overrides or None,
                 "model": lm.model_id, "n_tokens": int(ids.numel()), "prefill_s": round(prefill_s, 4),
                 "prefill_tok_per_s": round(ids.numel() / max(prefill_s, 1e-9), 1), "prefill_with": prefill_with,
                 "sekv_version": __version__,
                 "machine": machine, "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
             }
             try:
-                params = method.resolve_params({"budget": b} if b is not None else {})
+                params = method.resolve_params(variant.params(b))
                 reporter.stage(f"{label}: compress")
                 torch.manual_seed(cfg.seed)
                 t1 = time.perf_counter()
@@ -394,11 +397,12 @@ def _prefill_for(model, tok, ids: torch.Tensor, with_surprisal: bool, pairs: set
     needs: set[str] = set()
     window = 0
     for m, b in pairs:
-        method = methods.get(m)
+        variant = variants.parse(m)
+        method = methods.get(variant.method)
         n = _needs_scores(method)
         needs.update(n)
         if "obs_queries" in n:
-            window = max(window, _obs_window(method, method.resolve_params({"budget": b} if b is not None else {})))
+            window = max(window, _obs_window(method, method.resolve_params(variant.params(b))))
     capture = tuple(sorted(x for x in needs if x != "token_text"))
     kwargs = {"capture": capture, "obs_window": window or 64} if capture else {}
     pre = prefill(model, ids, with_surprisal=with_surprisal, **kwargs)

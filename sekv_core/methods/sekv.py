@@ -24,6 +24,7 @@ Pack tensors (all prefixed ``sekv.``; L layers):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -32,12 +33,36 @@ import torch
 from ..sekv import factorize as fz
 from ..sekv import rope, router
 from ..sekv.attention import build_mask, mixed_attention, place, route, select
-from ..sekv.segment import Segmentation, auto_lengths, segment
+from ..sekv.segment import Segmentation, auto_lengths, fixed_segment, segment
 from ..sekv.summarize import span_weights, weighted_means
 from ..errors import PackError, SekvError
 from .base import CacheMethod, GrowingKV, KVMemory, ModelShape, PrefillResult, StepStats, TensorStore
 
 _ZOOMS = ("router", "all", "none")
+SEGMENTATIONS = ("surprisal", "fixed")
+TAU_MODES = ("per_head", "global")
+
+#: named ablations (SPEC §4; docs/sekv.md "Ablations"): parameter overrides, selectable in
+#: `sekv bench --ablations NAME,...` or `--methods sekv:NAME`
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "no-svd": {"zoom": "none"},  # coarse entries only, nothing is ever expanded
+    "fixed-chunks": {"segmentation": "fixed"},  # equal chunks of the surprisal spans' mean length
+    "no-anchors": {"anchors": False},  # no sinks, no boundary tokens at full resolution
+    "mean-pool": {"weighting": "mean"},  # span means with equal weights
+    "global-tau": {"tau_mode": "global"},  # one threshold for every (layer, head)
+    "untrained-router": {"router": "untrained"},  # the PCA-initialised router even where a trained one exists
+}
+
+
+def apply_tau_mode(rt: router.Router, mode: str) -> router.Router:
+    """``per_head``: the router as loaded; ``global``: every (layer, head) threshold replaced by one
+    value, the probability whose logit is the mean of the per-head logit thresholds."""
+    if mode not in TAU_MODES:
+        raise SekvError(f"sekv: tau_mode must be one of {', '.join(TAU_MODES)}, not {mode!r}")
+    if mode == "per_head":
+        return rt
+    tau = torch.full_like(rt.tau, float(torch.sigmoid(rt.logit_tau().double().mean())))
+    return dataclasses.replace(rt, tau=tau)
 
 
 def _config(store: TensorStore) -> dict[str, int]:
@@ -76,6 +101,7 @@ class SekvMemory(KVMemory):
         self.n_base = self.n_full + S
         self.kv = GrowingKV.from_tensors(keys, vals, device, extra=256)
         rt = router.load(store, params, shape)
+        rt = apply_tau_mode(rt, params.get("tau_mode", "per_head"))
         self.router_source = rt.source
         self.w = rt.w.to(device, shape.dtype)  # [L, Hw, d_r, d]
         if rt.source == "pack":
@@ -303,12 +329,17 @@ class SekvMethod(CacheMethod):
     name = "sekv"
     summary = "SeKV: anchors + coarse span means on device, per-span SVD factors on CPU, zoom-in decoding"
     needs_surprisal = True
+    ablations = ABLATIONS
     default_params = {
         "budget": 0.10,  # resident KV budget, fraction of the full KV (also sizes window / spans at ingest)
         "alpha": 1.0,  # boundary: s_t > mu + alpha * sigma
         "min_span": 0,  # 0: auto from the budget (sekv/segment.py auto_lengths)
         "max_span": 0,  # 0: auto (2 * min_span)
         "n_sink": 4,
+        "anchors": True,  # False (ablation): no full-resolution anchors at all, neither sinks nor boundary tokens
+        "segmentation": "surprisal",  # or "fixed" (ablation): equal chunks instead of surprisal spans
+        "chunk": 0.0,  # fixed chunk length; 0: the surprisal segmentation's mean span length
+        "tau_mode": "per_head",  # or "global" (ablation): one threshold for every (layer, head)
         "window": -1,  # -1: auto, min(512, 0.25 * budget * N)
         "weighting": "surprisal",  # or "mean" (ablation)
         "rank_max": 32,
@@ -339,7 +370,14 @@ class SekvMethod(CacheMethod):
         n = prefill.n_tokens
         mn, mx, w = self.lengths(n, params)
         s = prefill.surprisal if prefill.surprisal is not None else torch.zeros(n)
-        return segment(s, alpha=float(params["alpha"]), min_span=mn, max_span=mx, n_sink=int(params["n_sink"]), window=w)
+        mode, anchors = params.get("segmentation", "surprisal"), bool(params.get("anchors", True))
+        if mode not in SEGMENTATIONS:
+            raise SekvError(f"sekv: segmentation must be one of {', '.join(SEGMENTATIONS)}, not {mode!r}")
+        seg = segment(s, alpha=float(params["alpha"]), min_span=mn, max_span=mx, n_sink=int(params["n_sink"]), window=w, anchors=anchors)
+        if mode == "surprisal":
+            return seg
+        chunk = float(params.get("chunk", 0)) or (float(seg.span_len.float().mean()) if seg.n_spans else 0.0)
+        return fixed_segment(n, chunk=chunk, n_sink=int(params["n_sink"]), window=w, anchors=anchors)
 
     def compress(self, prefill: PrefillResult, params):
         # many small tensor ops: intra-op threads cost more than they give on a small CPU (docs/sekv.md)
@@ -362,7 +400,7 @@ class SekvMethod(CacheMethod):
         fdt = getattr(torch, params["factor_dtype"])
         mn, mx, w = self.lengths(prefill.n_tokens, params)
         out: dict[str, torch.Tensor] = {
-            "sekv.config": torch.tensor([prefill.n_tokens, L, hkv, d, mn, mx, w, int(params["n_sink"])], dtype=torch.long),
+            "sekv.config": torch.tensor([prefill.n_tokens, L, hkv, d, mn, mx, w, int(params["n_sink"]) if params.get("anchors", True) else 0], dtype=torch.long),
             "sekv.key_space": torch.tensor([int(pre)], dtype=torch.long),
             "sekv.span_start": seg.span_start.clone(),
             "sekv.span_end": seg.span_end.clone(),

@@ -16,6 +16,13 @@ per-token work is vectorised.
 
 ``auto_lengths`` gives the budget-driven defaults (docs/sekv.md has the measured
 shares behind the constants).
+
+Ablations (docs/sekv.md, "Ablations"): ``anchors=False`` keeps no anchor at
+full resolution -- no sinks and no boundary tokens: the boundaries are the
+anchored segmentation's, the sinks join the first span and each kept boundary
+token starts the next span instead (``n_sink=0`` alone only drops the sinks;
+the boundary anchors stay).  ``fixed_segment`` cuts the same region into chunks of
+one fixed length instead of at surprisal boundaries.
 """
 
 from __future__ import annotations
@@ -126,6 +133,7 @@ def segment(
     max_span: int,
     n_sink: int = 4,
     window: int,
+    anchors: bool = True,
 ) -> Segmentation:
     s = surprisal.detach().float().cpu().flatten()
     n = int(s.numel())
@@ -139,12 +147,53 @@ def segment(
 
     cands = boundary_candidates(s, alpha, lo, lo, hi).tolist()
     kept = torch.tensor(_merge(cands, lo, hi, min_span), dtype=torch.long)
-    start = torch.cat([torch.tensor([lo]), kept + 1])
-    end = torch.cat([kept, torch.tensor([hi])])
+    if anchors:
+        start = torch.cat([torch.tensor([lo]), kept + 1])
+        end = torch.cat([kept, torch.tensor([hi])])
+    else:  # the same boundaries; the sinks join the first span and each boundary token opens the next one
+        start = torch.cat([torch.tensor([0]), kept])
+        end = torch.cat([kept, torch.tensor([hi])])
+        kept = empty
     start, end = _split(start, end, max_span)
+    return Segmentation(n, _uncovered(n, start, end), kept, start, end)
 
+
+def _uncovered(n: int, start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    """Positions in [0, n) outside every span [start, end)."""
     covered = torch.zeros(n + 1, dtype=torch.long)
     covered.index_add_(0, start, torch.ones_like(start))
     covered.index_add_(0, end, -torch.ones_like(end))
-    full_idx = torch.nonzero(torch.cumsum(covered, 0)[:n] == 0).flatten()
-    return Segmentation(n, full_idx, kept, start, end)
+    return torch.nonzero(torch.cumsum(covered, 0)[:n] == 0).flatten()
+
+
+def fixed_segment(n_tokens: int, *, chunk: float, n_sink: int = 4, window: int, anchors: bool = True) -> Segmentation:
+    """The fixed-size-chunk ablation: the region between the sinks and the window in equal chunks.
+
+    With ``anchors``, the region [n_sink, N - window) of R tokens is laid out as
+    chunk, anchor, chunk, anchor, ..., chunk: S = max(1, round((R + 1) / (chunk + 1)))
+    chunks whose lengths differ by at most one, with one anchor token (full
+    resolution) between neighbours.  Given the surprisal segmentation's mean span
+    length as ``chunk``, this has the same number of spans and anchors as that
+    segmentation whenever it split no span at ``max_span`` (then R = S * chunk + S - 1).
+    Without anchors: [0, N - window) in S = max(1, round(R / chunk)) chunks, no anchor.
+    ``chunk <= 0`` or a region shorter than ``chunk``: nothing is compressed.
+    """
+    n = max(int(n_tokens), 0)
+    lo = min(max(int(n_sink), 0), n) if anchors else 0
+    hi = max(lo, n - max(int(window), 0))
+    r = hi - lo
+    empty = torch.empty(0, dtype=torch.long)
+    if chunk <= 0 or r < max(chunk, 1):
+        return Segmentation(n, torch.arange(n), empty, empty.clone(), empty.clone())
+    if anchors:
+        s_ = max(1, math.floor((r + 1) / (float(chunk) + 1) + 0.5))  # rounded half up
+        t = r - (s_ - 1)  # tokens in chunks
+    else:
+        s_ = max(1, math.floor(r / float(chunk) + 0.5))
+        t = r
+    k = torch.arange(s_)
+    gap = k if anchors else torch.zeros_like(k)  # anchors before chunk k
+    start = lo + (k * t) // s_ + gap
+    end = lo + ((k + 1) * t) // s_ + gap
+    anchor_idx = end[:-1].clone() if anchors else empty
+    return Segmentation(n, _uncovered(n, start, end), anchor_idx, start, end)
