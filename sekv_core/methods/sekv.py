@@ -325,6 +325,15 @@ class SekvMemory(KVMemory):
             self._h2d_total += self._h2d_step
 
 
+def _to_host(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Pack tensors computed on an accelerator -> pinned host memory (asynchronous copies, one sync)."""
+    if all(t.device.type == "cpu" for t in out.values()):
+        return out
+    host = {k: (t if t.device.type == "cpu" else t.to("cpu", non_blocking=True)) for k, t in out.items()}
+    torch.cuda.synchronize()
+    return host
+
+
 class SekvMethod(CacheMethod):
     name = "sekv"
     summary = "SeKV: anchors + coarse span means on device, per-span SVD factors on CPU, zoom-in decoding"
@@ -413,10 +422,15 @@ class SekvMethod(CacheMethod):
             cos, sin = rope.cos_sin(pos, inv, shape.rope_attention_scaling, dtype=prefill.keys[0].dtype)
         taus = torch.full((L, H), router.TAU_DEFAULT if not params["tau"] else float(params["tau"]), dtype=torch.float32)
         out["sekv.router.tau"] = taus
+        # compress on the prefill's device (summaries, RoPE undo, SVD, packing); only the results move to the host
+        dev = prefill.keys[0].device
+        pos, sid, weights, full_idx = pos.to(dev), sid.to(dev), weights.to(dev), seg.full_idx.to(dev)
+        if pre:
+            cos, sin = cos.to(dev), sin.to(dev)
         for li in range(L):
-            k, v = prefill.keys[li].cpu(), prefill.values[li].cpu()
-            out[f"sekv.full.k.{li}"] = k[:, seg.full_idx].contiguous()
-            out[f"sekv.full.v.{li}"] = v[:, seg.full_idx].contiguous()
+            k, v = prefill.keys[li], prefill.values[li]
+            out[f"sekv.full.k.{li}"] = k[:, full_idx].contiguous()
+            out[f"sekv.full.v.{li}"] = v[:, full_idx].contiguous()
             kbar = weighted_means(k, pos, sid, weights, S)
             out[f"sekv.coarse.k.{li}"] = kbar.to(k.dtype)
             out[f"sekv.coarse.v.{li}"] = weighted_means(v, pos, sid, weights, S).to(v.dtype)
@@ -431,7 +445,7 @@ class SekvMethod(CacheMethod):
             fv = fz.factorize(v[:, pos].float(), span_len, energy=float(params["energy_v"]), **opts)
             out.update(fk.tensors(f"sekv.fk.{li}"))
             out.update(fv.tensors(f"sekv.fv.{li}"))
-        return out
+        return _to_host(out)
 
     def open(self, store: TensorStore, params, shape: ModelShape, device) -> KVMemory:
         return SekvMemory(store, params, shape, device)

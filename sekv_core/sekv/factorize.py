@@ -68,7 +68,7 @@ def choose_rank(sigma: torch.Tensor, energy: float, rank_max: int) -> torch.Tens
     total = e.sum(-1, keepdim=True)
     k = sigma.shape[-1]
     if energy >= 1.0:
-        r = (e > 0).sum(-1) if k else torch.zeros(sigma.shape[0], dtype=torch.long)
+        r = (e > 0).sum(-1) if k else torch.zeros(sigma.shape[0], dtype=torch.long, device=sigma.device)
     else:
         frac = torch.cumsum(e, -1) / total.clamp_min(1e-300)
         r = (frac < energy).sum(-1) + 1
@@ -90,8 +90,49 @@ def single_thread():
             torch.set_num_threads(old)
 
 
-def _decompose(a: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """a [B, n, d] -> (U*sigma [B, n, k], sigma [B, k], Vt [B, k, d]), sigma descending, k = min(n, d)."""
+#: largest eigenproblem cuSOLVER solves as one batched call (Jacobi); larger ones loop over the batch
+BATCHED_EIG_MAX = 32
+
+
+def _orthonormalize(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal basis of the columns of x [B, d, k] (k <= 32): eigen-decomposition of the k x k Gram.
+
+    Directions with a negligible Gram eigenvalue (x rank-deficient: a span shorter than k rows) become zero
+    columns instead of noise.
+    """
+    c = x.transpose(1, 2) @ x
+    lam, w = torch.linalg.eigh(c)
+    tol = lam[..., -1:].clamp_min(1e-300) * 1e-12
+    inv = torch.where(lam > tol, lam.clamp_min(1e-300).rsqrt(), torch.zeros_like(lam))
+    return x @ (w * inv.unsqueeze(-2))
+
+
+def top_eigh(g: torch.Tensor, k: int, iters: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leading k eigenpairs of batched symmetric PSD matrices g [B, d, d]: (values [B, k] descending,
+    vectors [B, d, k]).  Subspace iteration from a fixed random start, then Rayleigh-Ritz: only k x k
+    eigenproblems (k <= 32), which cuSOLVER batches, where a d x d eigh (d = 128) would loop over the batch.
+    Converges to the exact leading subspace at the rate (lambda_{k+1} / lambda_j)^iters per component.
+    """
+    b, d, _ = g.shape
+    gen = torch.Generator(device=g.device).manual_seed(0)
+    x = g @ torch.randn(d, k, generator=gen, device=g.device, dtype=torch.float64).to(g.dtype)
+    for _ in range(iters):
+        x = g @ _orthonormalize(x)
+    x = _orthonormalize(_orthonormalize(x))  # twice: orthonormal to ~1e-15, not ~cond * 1e-16
+    lam, z = torch.linalg.eigh(x.transpose(1, 2) @ g @ x)  # ascending
+    return lam.flip(-1).clamp_min(0), (x @ z).flip(-1)
+
+
+def _decompose(a: torch.Tensor, method: str, want: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """a [B, n, d] -> (U*sigma [B, n, k], sigma [B, k], Vt [B, k, d]), sigma descending, k = min(n, d).
+
+    On CUDA, when only ``want`` < min(n, d) components are needed and d exceeds what cuSOLVER's batched
+    eigensolver takes, the leading ones come from :func:`top_eigh` (k = want).
+    """
+    if method == "gram" and a.is_cuda and want is not None and want < min(a.shape[1], a.shape[2]) and a.shape[2] > BATCHED_EIG_MAX and want <= BATCHED_EIG_MAX:
+        ad = a.double()
+        evals, v = top_eigh(ad.transpose(1, 2) @ ad, want)
+        return (ad @ v).to(a.dtype), evals.sqrt().to(a.dtype), v.transpose(1, 2).to(a.dtype)
     if method == "svd":
         u, s, vt = torch.linalg.svd(a, full_matrices=False)
         return u * s.unsqueeze(-2), s, vt
@@ -146,7 +187,7 @@ def decompose_spans(x: torch.Tensor, span_len: torch.Tensor, rank_max: int = 32,
         src = torch.where(valid, first[ids].view(-1, 1) + j.view(1, -1), torch.full_like(valid, t, dtype=torch.long))
         a = xz[:, src]  # [hkv, Sb, nb, d]
         with single_thread():
-            us, sigma, vt = _decompose(a.reshape(-1, nb, d), method)
+            us, sigma, vt = _decompose(a.reshape(-1, nb, d), method, want=r_cap)
         k = min(r_cap, us.shape[-1])
         m = min(nb, n_max)
         us_pad[:, ids, :m, :k] = us.reshape(hkv, -1, nb, us.shape[-1])[:, :, :m, :k]
@@ -174,7 +215,7 @@ def factorize(
     a per-component decision (the trained rank gate, sekv/rank_gate.py); kept components need not be a
     prefix: they are moved to the front before packing.
     """
-    n = span_len.long()
+    n = span_len.long().to(x.device)
     us_pad, sig_pad, vt_pad = decompose_spans(x, span_len, rank_max, method)
     hkv, s, _, r_cap = us_pad.shape
     if keep is None:

@@ -29,5 +29,6 @@ def span_weights(surprisal: torch.Tensor | None, pos: torch.Tensor, sid: torch.T
 def weighted_means(x: torch.Tensor, pos: torch.Tensor, sid: torch.Tensor, weights: torch.Tensor, n_spans: int) -> torch.Tensor:
     """x [H, N, d] -> per-span weighted means [H, S, d] (float32)."""
     h, _, d = x.shape
-    xs = x[:, pos].float() * weights.view(1, -1, 1)
-    return torch.zeros(h, n_spans, d, dtype=torch.float32).index_add_(1, sid, xs)
+    dev = x.device
+    xs = x[:, pos.to(dev)].float() * weights.to(dev).view(1, -1, 1)
+    return torch.zeros(h, n_spans, d, dtype=torch.float32, device=dev).index_add_(1, sid.to(dev), xs)
