@@ -88,27 +88,55 @@ def plain_prefill_s(model, ids) -> float:
     return dt
 
 
+def gpu_busy(fn) -> dict:
+    """Device time of one call of fn (sum of kernel and copy durations, torch.profiler): what the step costs
+    the GPU, whatever the host's launch overhead; the bound a captured (CUDA-graph) step would approach."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0)
+        if t > 0:
+            rows.append((t, e.count, e.key))
+    rows.sort(reverse=True)
+    return {"busy_ms": sum(r[0] for r in rows) / 1000.0, "launches": int(sum(r[1] for r in rows)),
+            "top": [(round(t / 1000.0, 3), c, k[:60]) for t, c, k in rows[:8]]}
+
+
 def decode_bench(model, memory, steps: int, repeats: int) -> dict:
-    """Median ms per decode step (one new token), CUDA events; memory returns to its state between repeats."""
+    """Median ms per decode step (one new token), CUDA events; memory returns to its state between repeats.
+    Stats are read once per run (reading them syncs), not per step."""
     base = memory.n_tokens()
     tok = torch.tensor([[11]], device="cuda")
     peak_resident = 0
 
+    def step():
+        memory.begin_step(1)
+        runtime.forward_hidden(model, tok, memory.n_tokens(), memory)
+        memory.end_step()
+
     def one_run():
-        nonlocal peak_resident
         memory.truncate(base)
         for _ in range(steps):
-            memory.begin_step(1)
-            runtime.forward_hidden(model, tok, memory.n_tokens(), memory)
-            memory.end_step()
-            peak_resident = max(peak_resident, memory.step_stats().resident_bytes)
+            step()
 
     torch.cuda.reset_peak_memory_stats()
     per_run = cuda_ms(one_run, warmup=1, repeats=repeats)
+    peak_resident = memory.step_stats().resident_bytes  # after the last step: the largest memory of the run
+    extra = dict(memory.step_stats().extra)
+    memory.truncate(base)
+    prof = gpu_busy(step)
     memory.truncate(base)
     ms = statistics.median(per_run) / steps
     return {"ms_per_token": ms, "tokens_per_s": 1000.0 / ms, "peak_gpu_bytes": torch.cuda.max_memory_allocated(),
-            "resident_kv_peak_bytes": peak_resident}
+            "resident_kv_peak_bytes": peak_resident, "gpu_busy_ms_per_token": prof["busy_ms"], "launches_per_token": prof["launches"],
+            "gpu_top_kernels": prof["top"], "stats": {k: v for k, v in extra.items() if k in ("h2d_bytes_step", "zoom_spans_step", "budget_bytes")}}
 
 
 def force_zoom_rate(rate: float, seed: int = 0):
@@ -150,6 +178,8 @@ def main() -> None:
     import transformers
 
     env["transformers"] = transformers.__version__
+    env["zoom_driver"] = (f"random gate logits, share {a.zoom_rate} of (query head, span) pairs above tau, redrawn every "
+                          "step and layer (no temporal locality: every step refetches its spans); budget cap as in the product")
     print(json.dumps(env), flush=True)
     force_zoom_rate(a.zoom_rate)
     for cname in a.configs.split(","):
@@ -189,24 +219,41 @@ def main() -> None:
                 res = prefill(model, ids[0], with_surprisal=True, chunk=a.chunk)
                 torch.cuda.synchronize()
                 t_pre = time.perf_counter() - t
+                t_c = time.perf_counter()
                 tensors = method.compress(res, params)
                 torch.cuda.synchronize()
                 row["sekv_prefill_s"] = t_pre
+                row["sekv_compress_s"] = time.perf_counter() - t_c
                 row["sekv_ingest_s"] = time.perf_counter() - t
                 del res
                 gc.collect()
                 torch.cuda.empty_cache()
                 store = DictStore({k: (v.pin_memory() if v.device.type == "cpu" else v.cpu().pin_memory()) for k, v in tensors.items()})
                 del tensors
+                t = time.perf_counter()
                 mem = method.open(store, params, shape, "cuda")
+                if getattr(mem, "batched", False):  # build the host factor blocks now rather than in the first step
+                    from sekv_core.sekv.decode import BatchedDecoder
+
+                    mem._dec = BatchedDecoder(mem)
+                torch.cuda.synchronize()
+                row["sekv_open_s"] = time.perf_counter() - t
                 gc.collect()
                 torch.cuda.empty_cache()
                 r = decode_bench(model, mem, a.steps, a.repeats)
                 row.update({f"sekv_{k}": v for k, v in r.items()})
-                st = mem.step_stats().extra
+                st = r["stats"]
                 row["sekv_h2d_bytes_per_step"] = st.get("h2d_bytes_step")
                 row["sekv_zoom_spans_step"] = st.get("zoom_spans_step")
+                row["sekv_budget_bytes"] = st.get("budget_bytes")
                 row["sekv_spans"] = mem.n_spans
+                dec = getattr(mem, "_dec", None)
+                if dec is not None:
+                    row["sekv_batched"] = True
+                    row["sekv_uva_fetch"] = dec.uva
+                    row["sekv_slots_per_layer"] = dec.U
+                    row["sekv_pairs_per_layer"] = dec.P
+                    row["sekv_table_bytes"] = dec.table_bytes
                 del mem, store
             except torch.cuda.OutOfMemoryError as e:
                 row["error"] = f"OOM: {str(e).splitlines()[0]}"

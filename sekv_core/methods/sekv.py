@@ -32,6 +32,7 @@ import torch
 
 from ..sekv import factorize as fz
 from ..sekv import rope, router
+from ..sekv.decode import BatchedDecoder
 from ..sekv.attention import build_mask, mixed_attention, place, route, select
 from ..sekv.segment import Segmentation, auto_lengths, fixed_segment, segment
 from ..sekv.summarize import span_weights, weighted_means
@@ -120,6 +121,9 @@ class SekvMemory(KVMemory):
             f = fz.stack_kv(*(self._factors(store, names, f"sekv.{kind}.{i}") for kind in ("fk", "fv")))
             self.factors.append((f, fz.Layout.of(f, self.span_len, d)))
         self.cuda = device.type == "cuda"
+        # accelerators take the batched, sync-free step (sekv/decode.py); the CPU keeps the reference step
+        self.batched = self.cuda
+        self._dec = None
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
             self.staging = [{"_pin": True}, {"_pin": True}]  # double-buffered pinned staging, by layer parity
@@ -161,12 +165,14 @@ class SekvMemory(KVMemory):
         self._stats_stale = True  # this ask's stats stay readable until the next forward starts
 
     def resident_bytes(self) -> int:
-        return self.kv.nbytes() + self.router_bytes
+        return self.kv.nbytes() + self.router_bytes + (self._dec.resident_bytes() if self._dec is not None else 0)
 
     def spans(self) -> list[tuple[int, int]]:
         return list(zip(self.span_start.tolist(), self.span_end.tolist()))
 
     def step_stats(self) -> StepStats:
+        if self._dec is not None:
+            self._dec.fold_stats()
         rates = [(r / self._steps if self._steps else 0.0) for r in self._rate_sum.tolist()]
         counts = {int(i): int(c) for i, c in zip(torch.nonzero(self._span_counts).flatten().tolist(), self._span_counts[self._span_counts > 0].tolist())}
         return StepStats(
@@ -196,6 +202,8 @@ class SekvMemory(KVMemory):
         self._stats_stale = False
         self._reused = 0
         self._held: list[tuple | None] = [None] * L  # per layer: (keep, rows K, rows V, slot spans) of its last step
+        if getattr(self, "_dec", None) is not None:
+            self._dec.reset_stats()
 
     def _begin_forward(self, n_new: int) -> None:
         if self._stats_stale:
@@ -229,6 +237,10 @@ class SekvMemory(KVMemory):
     def _attend(self, layer, query, key, value, scaling):
         if layer == 0:
             self._begin_forward(query.shape[-2])
+        if self.batched:
+            if self._dec is None:
+                self._dec = BatchedDecoder(self)
+            return self._dec.attend(layer, query, key, value, scaling)
         keys, values = self.kv.append(layer, key, value)
         H, q = query.shape[1], query.shape[2]
         hkv, S = self.shape.n_kv_heads, self.n_spans

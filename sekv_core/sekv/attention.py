@@ -126,3 +126,64 @@ def mixed_attention(
 ) -> torch.Tensor:
     """query [1, H, q, d], keys/values [1, Hkv, T, d], mask [1, H, q, T] -> [1, H, q, d]."""
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=keys.shape[1] != query.shape[1])
+
+
+# -- the batched decode path (sync-free, fixed shapes): sekv/blocks.py fetches, these select and attend ---------
+
+
+def select_topk(priority: torch.Tensor, cost: torch.Tensor, cap: float | None, p_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`select` with a fixed-size result: (pair [P] flat g * S + i in decreasing priority, ok [P] bool).
+
+    P = min(p_max, Hkv * S); with p_max at least the number of pairs the cap can hold, the kept pairs
+    (``ok``) are exactly :func:`select`'s (up to the order of equal priorities).  No host sync.
+    """
+    hkv, s = priority.shape
+    flat = priority.flatten()
+    k = min(int(p_max), flat.numel())
+    top, pair = torch.topk(flat, k, sorted=True)
+    ok = top > NEG_INF
+    if cap is not None:
+        c = cost.to(torch.float64)[pair % s]
+        ok = ok & (torch.cumsum(c, 0) <= float(cap))
+    ok = torch.cumprod(ok.to(torch.int8), 0).bool()
+    return pair, ok
+
+
+def flat_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    resident_mask: torch.Tensor,
+    rk: torch.Tensor,
+    rv: torch.Tensor,
+    visible: torch.Tensor,
+    scaling: float,
+    q_chunk: int = 16,
+) -> torch.Tensor:
+    """One softmax over the resident memory and a flat list of reconstructed tokens.
+
+    query [1, H, q, d]; keys / values [1, Hkv, T, d] (full-res | coarse | tail) with the additive
+    resident_mask [1, H, q, T]; rk / rv [U, d]: reconstructed tokens of every KV group, one flat list;
+    visible [H, U] bool: which of them each query head sees (its group's tokens of spans it expanded).
+    Equal to ``mixed_attention`` over the per-group layout of ``place`` (tests), in float32.
+    """
+    _, h, q, d = query.shape
+    hkv, t = keys.shape[1], keys.shape[2]
+    g = h // hkv
+    kf, vf = keys[0].float(), values[0].float()
+    rkf, rvf = rk.float(), rv.float()
+    hide = (~visible).unsqueeze(1)  # [H, 1, U]
+    outs = []
+    for a in range(0, q, q_chunk):
+        qf = query[0, :, a : a + q_chunk].float()  # [H, qc, d]
+        qc = qf.shape[1]
+        sa = torch.matmul(qf.reshape(hkv, g * qc, d), kf.transpose(1, 2)).view(h, qc, t) * scaling + resident_mask[0, :, a : a + qc].float()
+        sb = (torch.matmul(qf.reshape(h * qc, d), rkf.t()).view(h, qc, -1) * scaling).masked_fill(hide, NEG_INF)
+        m = sa.amax(-1, keepdim=True)
+        if sb.shape[-1]:
+            m = torch.maximum(m, sb.amax(-1, keepdim=True))
+        pa, pb = torch.exp(sa - m), torch.exp(sb - m)
+        z = pa.sum(-1, keepdim=True) + pb.sum(-1, keepdim=True)
+        o = torch.matmul(pa.view(hkv, g * qc, t), vf).view(h, qc, d) + torch.matmul(pb.view(h * qc, -1), rvf).view(h, qc, d)
+        outs.append(o / z)
+    return torch.cat(outs, 1).to(query.dtype).unsqueeze(0)

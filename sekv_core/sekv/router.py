@@ -58,9 +58,14 @@ def pca_init(keys: torch.Tensor, d_r: int = D_R, kbar: torch.Tensor | None = Non
     k = keys.float()
     hkv, n, d = k.shape
     m = (k.transpose(1, 2) @ k).double() / max(n, 1)  # [Hkv, d, d]
-    evals, evecs = torch.linalg.eigh(m)
     r = min(d_r, d)
-    w = evecs.flip(-1)[..., :r].transpose(1, 2).float()  # [Hkv, r, d], orthonormal rows
+    if m.is_cuda and r < d:  # cuSOLVER loops a d x d eigh over the batch; the leading r by subspace iteration
+        from .factorize import top_eigh
+
+        w = top_eigh(m, r)[1].transpose(1, 2).float()
+    else:
+        evals, evecs = torch.linalg.eigh(m)
+        w = evecs.flip(-1)[..., :r].transpose(1, 2).float()  # [Hkv, r, d], orthonormal rows
     if r < d_r:
         w = torch.cat([w, w.new_zeros(hkv, d_r - r, d)], 1)
     ref = kbar if kbar is not None and kbar.shape[1] > 0 else k

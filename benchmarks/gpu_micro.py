@@ -1,0 +1,65 @@
+"""Micro-measurements behind sekv's GPU design choices (docs/gpu.md), one call through the device tool:
+
+* batched eigendecomposition of span Gram matrices (float64, d = 128): torch.linalg.eigh on the whole
+  batch vs the subspace iteration sekv uses on CUDA (sekv/factorize.py: top_eigh, 32 components);
+* host -> device bandwidth: a pinned cudaMemcpy of a contiguous buffer vs a device-side gather of
+  fixed-stride blocks straight from pinned host memory (sekv/blocks.py: the UVA view).
+
+    python benchmarks/gpu_micro.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sekv_core.sekv import blocks, factorize as fz  # noqa: E402
+
+
+def timed(fn, reps=3):
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / reps
+
+
+def main():
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    dev = torch.device("cuda")
+    for b in (512, 8192):
+        a = torch.randn(b, 96, 128, device=dev, dtype=torch.float64)
+        g = a.transpose(1, 2) @ a
+        if b <= 512:
+            out[f"eigh_full_b{b}_s"] = timed(lambda: torch.linalg.eigh(g), reps=1)
+        out[f"top_eigh32_b{b}_s"] = timed(lambda: fz.top_eigh(g, 32))
+    size = 256 << 20
+    host = torch.empty(size // 8, dtype=torch.int64, pin_memory=True)
+    host.random_()
+    d = torch.empty_like(host, device=dev)
+    out["memcpy_h2d_GBps"] = size / timed(lambda: d.copy_(host, non_blocking=True)) / 1e9
+    view = blocks.device_view(host, dev)
+    out["uva_view"] = view is not None
+    if view is not None:
+        stride = 1600  # ~12.8 KB blocks, like one (group, span) pair's K+V factors
+        nb = host.numel() // stride
+        pick = torch.randperm(nb, device=dev)[:2000]
+        idx = (pick.view(-1, 1) * stride + torch.arange(stride, device=dev)).flatten()
+        moved = idx.numel() * 8
+        out["uva_gather_GBps"] = moved / timed(lambda: view.index_select(0, idx)) / 1e9
+        ok = torch.equal(view.index_select(0, idx[:4096]).cpu(), host[idx[:4096].cpu()])
+        out["uva_gather_correct"] = ok
+    print(json.dumps(out), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""The batched, sync-free decode step (sekv/decode.py, sekv/blocks.py) against the reference step and full KV."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sekv_core import methods, runtime
+from sekv_core.sekv import attention, blocks, decode
+from sekv_core.sekv import factorize as fz
+
+from test_sekv_method import EXACT, _setup
+
+
+def _batched(store, p, res):
+    mem = methods.get("sekv").open(store, p, res.shape, "cpu")
+    mem.batched = True
+    return mem
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("key_space", ["pre_rope", "post_rope"])
+def test_batched_full_expansion_equals_full_kv(kind, key_space):
+    model, ref, ids, res, store, p, mem, full = _setup(kind, key_space=key_space, **EXACT)
+    mem = _batched(store, p, res)
+    q = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(2))
+    a = runtime.forward_logits(model, q, mem.n_tokens(), mem, last_only=False)
+    b = runtime.forward_logits(model, q, full.n_tokens(), full, last_only=False)
+    assert torch.allclose(a, b, atol=2e-4, rtol=1e-4), (a - b).abs().max()
+    for _ in range(3):
+        nxt = b[:, -1:].argmax(-1)
+        a = runtime.forward_logits(model, nxt, mem.n_tokens(), mem)
+        b = runtime.forward_logits(model, nxt, full.n_tokens(), full)
+        assert torch.allclose(a, b, atol=2e-4, rtol=1e-4)
+    st = mem.step_stats().extra
+    assert st["zoom_spans_step"] == mem.n_spans and st["zoom_rate_per_layer"] == [1.0, 1.0]
+
+
+def _same_cap(monkeypatch):
+    """Give the batched step exactly the reference step's cap (no slot / table bytes, no reserve for later tokens)."""
+    monkeypatch.setattr(decode, "_SLOT_META", 0)
+    monkeypatch.setattr(blocks.Blocks, "index_bytes", lambda self: 0)
+    orig = decode.BatchedDecoder._slots_for
+
+    def now_only(self, n_appended):
+        m = self.mem
+        return orig(self, m.kv.len[-1] - m.n_base + self.n_new)
+
+    monkeypatch.setattr(decode.BatchedDecoder, "_slots_for", now_only)
+
+
+@pytest.mark.parametrize("extra", [{}, {"factors_8bit": False}, {"key_space": "post_rope"}, {"head_masks": False}])
+def test_batched_step_equals_reference_step_under_the_cap(monkeypatch, extra):
+    """Router path, cap binding: same kept spans, same stats, same logits as the reference (CPU) step."""
+    _same_cap(monkeypatch)
+    model, ref, ids, res, store, p, mem, full = _setup("llama", n=600, budget=0.5, min_span=10, **extra)
+    mem2 = _batched(store, p, res)
+    q = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(3))
+    a = runtime.forward_logits(model, q, mem.n_tokens(), mem, last_only=False)
+    b = runtime.forward_logits(model, q, mem2.n_tokens(), mem2, last_only=False)
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
+    for _ in range(3):
+        nxt = a[:, -1:].argmax(-1)
+        a = runtime.forward_logits(model, nxt, mem.n_tokens(), mem)
+        b = runtime.forward_logits(model, nxt, mem2.n_tokens(), mem2)
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
+    x, y = mem.step_stats().extra, mem2.step_stats().extra
+    assert 0 < x["zoom_spans_total"] < mem.n_spans  # the cap binds
+    for k in ("zoom_spans_step", "zoom_spans_total", "span_zoom_counts", "budget_bytes"):
+        assert x[k] == y[k], k
+    assert x["zoom_rate_per_layer"] == pytest.approx(y["zoom_rate_per_layer"])
+    assert y["h2d_bytes_total"] > 0
+
+
+def test_batched_never_exceeds_budget_and_counts_its_buffers():
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=2000, budget=0.5, min_span=12)
+    mem = _batched(store, p, res)
+    q = torch.randint(0, 300, (1, 5))
+    runtime.forward_logits(model, q, mem.n_tokens(), mem)
+    sizes, zoomed = set(), 0
+    for _ in range(300):  # past the tail's reserved capacity (256): the slot buffers shrink with the cap
+        runtime.forward_logits(model, q[:, :1], mem.n_tokens(), mem)
+        sizes.add(mem._dec.U)
+        st = mem.step_stats()
+        zoomed = max(zoomed, st.extra["zoom_spans_step"])
+        assert st.resident_bytes <= st.extra["budget_bytes"]
+        # resident = the whole memory on the device: tokens, router, block tables, slot buffers at capacity
+        assert st.resident_bytes == mem.resident_bytes()
+    dec = mem._dec
+    assert dec.U > 0 and dec.resident_bytes() > dec.table_bytes and len(sizes) >= 2 and min(sizes) < max(sizes)
+    assert zoomed > 0
+
+
+def test_select_topk_equals_select():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        hkv, s = 1 + trial % 4, 5 + 7 * trial
+        prio = torch.randn(hkv, s, generator=g)
+        prio[torch.rand(hkv, s, generator=g) < 0.4] = float("-inf")
+        cost = torch.randint(3, 20, (s,), generator=g)
+        cap = float(torch.randint(0, 200, (1,), generator=g))
+        ref = attention.select(prio, cost, cap)
+        pair, ok = attention.select_topk(prio, cost, cap, int(cap // 3) + 1)
+        keep = torch.zeros(hkv * s, dtype=torch.bool).index_put_((pair,), ok).view(hkv, s)
+        assert torch.equal(keep, ref)
+
+
+@pytest.mark.parametrize("int8", [True, False])
+def test_blocks_fetch_unpack_reconstruct_like_the_packed_gather(int8):
+    lens = torch.tensor([3, 17, 33, 40, 64, 70, 100, 5])
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, int(lens.sum()), 32, generator=g)
+    fk = fz.factorize(x, lens, energy=0.9, rank_max=16, int8=int8)
+    fv = fz.factorize(x.flip(-1), lens, energy=0.95, rank_max=16, int8=int8)
+    f = fz.stack_kv(fk, fv)
+    b = blocks.build(f, lens, 32, "cpu", pin=False)
+    ref_k = fz.reconstruct_all(fk, lens, 32)
+    ref_v = fz.reconstruct_all(fv, lens, 32)
+    pair = torch.tensor([9, 0, 15, 4, 7, 3])  # flat g * S + i
+    ok = torch.tensor([True, True, True, True, True, False])
+    rows, words = blocks.fetch(b, pair, ok)
+    us, vt = blocks.unpack(b, rows)
+    rec = us @ vt
+    first = torch.cumsum(lens, 0) - lens
+    for p_, (pp, k) in enumerate(zip(pair.tolist(), ok.tolist())):
+        if not k:
+            continue
+        gg, i = divmod(pp, 8)
+        n = int(lens[i])
+        assert torch.allclose(rec[p_, 0, :n], ref_k[gg, first[i] : first[i] + n], atol=1e-5)
+        assert torch.allclose(rec[p_, 1, :n], ref_v[gg, first[i] : first[i] + n], atol=1e-5)
+    # what moved: each kept block up to the end of its own rows (no padding past them), one word per skipped pair
+    assert int(words) == int(b.used[pair[ok]].sum()) + 1
+    assert int(b.used.max()) <= b.stride and int(b.used.min()) < b.stride
