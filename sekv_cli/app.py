@@ -38,6 +38,9 @@ def _register() -> None:
     from . import cmd_bench
 
     app.command("bench")(cmd_bench.bench)
+    from . import cmd_train
+
+    app.command("train")(cmd_train.train)
 
 
 _register()

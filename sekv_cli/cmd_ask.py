@@ -13,14 +13,14 @@ from rich.text import Text
 
 from sekv_core.session import Session
 
-from .common import user_errors, BudgetOpt, DeviceOpt, MethodOpt, ModelOpt, method_overrides
+from .common import user_errors, BudgetOpt, DeviceOpt, MethodOpt, ModelOpt, RouterOpt, method_overrides
 from .display import err, human_bytes, kv_table, model_progress, out, stats_rows
 from .evidence import evidence_rows
 
 
-def open_session(pack: Path, model, method, budget, device, quiet: bool) -> Session:
+def open_session(pack: Path, model, method, budget, device, quiet: bool, router: str | None = None) -> Session:
     with model_progress(not quiet) as cb:
-        return Session.open(pack, model=model, method=method, params=method_overrides(budget), device=device, progress=cb)
+        return Session.open(pack, model=model, method=method, params=method_overrides(budget, router), device=device, progress=cb)
 
 
 def live_line(memory) -> str:
@@ -108,9 +108,10 @@ def ask(
     show_evidence: bool = typer.Option(False, "--show-evidence", help="print the most zoomed passages after the answer"),
     method: str = MethodOpt,
     budget: float = BudgetOpt,
+    router: str = RouterOpt,
     model: str = ModelOpt,
     device: str = DeviceOpt,
 ) -> None:
     """Answer QUESTION from PACK without re-reading the document."""
-    session = open_session(pack, model, method, budget, device, quiet=as_json)
+    session = open_session(pack, model, method, budget, device, quiet=as_json, router=router)
     run_question(session, question, max_new_tokens, as_json, show_evidence)

@@ -10,7 +10,7 @@ from sekv_core.errors import SekvError
 from sekv_core.prompt import Turn
 
 from .cmd_ask import open_session, run_question
-from .common import user_errors, BudgetOpt, DeviceOpt, MethodOpt, ModelOpt
+from .common import user_errors, BudgetOpt, DeviceOpt, MethodOpt, ModelOpt, RouterOpt
 from .display import err, kv_table, stats_rows
 
 HELP = """commands:
@@ -29,11 +29,12 @@ def chat(
     show_evidence: bool = typer.Option(False, "--show-evidence", help="print zoomed passages after each answer"),
     method: str = MethodOpt,
     budget: float = BudgetOpt,
+    router: str = RouterOpt,
     model: str = ModelOpt,
     device: str = DeviceOpt,
 ) -> None:
     """Ask questions about PACK's document, one after another."""
-    session = open_session(pack, model, method, budget, device, quiet=False)
+    session = open_session(pack, model, method, budget, device, quiet=False, router=router)
     doc = session.pack.manifest["document"]["name"]
     err.print(f"[bold]{doc}[/] ({session.base_tokens} tokens, method {session.method}). /help for commands, Ctrl-D to quit.")
     turns: list[Turn] = []

@@ -16,8 +16,16 @@ MethodOpt = typer.Option(None, "--method", help=f"cache method (default at inges
 BudgetOpt = typer.Option(None, "--budget", min=0.0, max=1.0, help="resident KV budget as a fraction of the full KV cache (sekv)")
 
 
-def method_overrides(budget: float | None) -> dict:
-    return {"budget": budget} if budget is not None else {}
+RouterOpt = typer.Option(
+    None, "--router", help="sekv zoom-in router: auto (the trained one shipped for the model), untrained, or a router file from `sekv train`"
+)
+
+
+def method_overrides(budget: float | None, router: str | None = None) -> dict:
+    out = {"budget": budget} if budget is not None else {}
+    if router is not None:
+        out["router"] = router
+    return out
 
 
 def user_errors(fn):

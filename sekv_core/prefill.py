@@ -61,7 +61,8 @@ def prefill(
     keys = [memory.kv.k[i][0, :, :n] for i in range(shape.n_layers)]
     values = [memory.kv.v[i][0, :, :n] for i in range(shape.n_layers)]
     scores = memory.export() if capture else {}
-    return PrefillResult(ids[0].cpu(), keys, values, surprisal if with_surprisal else None, shape, scores=scores)
+    return PrefillResult(ids[0].cpu(), keys, values, surprisal if with_surprisal else None, shape, scores=scores,
+                         model_fingerprint=str(getattr(model, "sekv_fingerprint", "")))
 
 
 def plain_prefill_seconds(model_dir, token_ids: torch.Tensor, dtype, device="cpu") -> float:

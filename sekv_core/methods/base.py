@@ -85,6 +85,8 @@ class PrefillResult:
     shape: ModelShape
     #: prefill statistics a method asked for through CacheMethod.needs_scores (see methods/scores.py)
     scores: dict[str, Any] = field(default_factory=dict)
+    #: fingerprint of the model that made the prefill (sekv_core.models), "" when unknown
+    model_fingerprint: str = ""
 
     @property
     def n_tokens(self) -> int:
@@ -190,9 +192,12 @@ def causal_attention(query, keys, values, scaling: float, n_new: int) -> torch.T
     """
     q, t = query.shape[-2], keys.shape[-2]
     mask = None
+    gqa = keys.shape[1] != query.shape[1]
+    if q > 1 and q == t:  # a whole sequence at once: the fused causal kernels (flash), no mask tensor
+        return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scaling, enable_gqa=gqa)
     if q > 1:
         mask = torch.ones(q, t, dtype=torch.bool, device=query.device).tril(diagonal=t - q)
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=keys.shape[1] != query.shape[1])
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
 
 
 class CacheMethod(ABC):

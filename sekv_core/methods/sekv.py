@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -374,8 +375,12 @@ class SekvMethod(CacheMethod):
         "tau": 0.0,  # 0: the router's (calibrated) thresholds
         "zoom": "router",  # "all" (every span, the exactness check) | "none" (coarse only)
         "head_masks": True,  # False: every query head of a group sees the spans the group reconstructed
+        # "auto": the trained router shipped for this model (sekv_core/routers/), else "untrained"; or a router file.
+        # compress() replaces "auto" by what it used, so the pack's manifest records it.
+        "router": "auto",
+        "router_sha256": "",  # set by compress(): the trained router file the pack was built with
     }
-    ask_time_params = ("budget",)
+    ask_time_params = ("budget", "router")
 
     @staticmethod
     def lengths(n_tokens: int, params: dict[str, Any]) -> tuple[int, int, int]:
@@ -434,6 +439,9 @@ class SekvMethod(CacheMethod):
             cos, sin = rope.cos_sin(pos, inv, shape.rope_attention_scaling, dtype=prefill.keys[0].dtype)
         taus = torch.full((L, H), router.TAU_DEFAULT if not params["tau"] else float(params["tau"]), dtype=torch.float32)
         out["sekv.router.tau"] = taus
+        trained = self._trained_router(prefill, params, shape)
+        if trained is not None:
+            out["sekv.router.ttau"] = trained.tau.float()
         # compress on the prefill's device (summaries, RoPE undo, SVD, packing); only the results move to the host
         dev = prefill.keys[0].device
         pos, sid, weights, full_idx = pos.to(dev), sid.to(dev), weights.to(dev), seg.full_idx.to(dev)
@@ -453,11 +461,32 @@ class SekvMethod(CacheMethod):
             if pre:
                 kx = rope.undo(kx, cos, sin)
             opts = dict(rank_max=int(params["rank_max"]), int8=int8, dtype=fdt, method=params["svd"])
-            fk = fz.factorize(kx, span_len, energy=float(params["energy_k"]), **opts)
-            fv = fz.factorize(v[:, pos].float(), span_len, energy=float(params["energy_v"]), **opts)
+            keep_k = keep_v = None
+            if trained is not None:  # the trained rank gate G chooses each block's components (sekv/rank_gate.py)
+                out[f"sekv.router.tw.{li}"] = trained.w[li].to(torch.float16)
+                depth = li / max(L - 1, 1)
+                vbar = out[f"sekv.coarse.v.{li}"].float()
+                keep_k = trained.gate.keep(kbar.float(), span_len, False, depth)
+                keep_v = trained.gate.keep(vbar, span_len, True, depth)
+            fk = fz.factorize(kx, span_len, energy=float(params["energy_k"]), keep=keep_k, **opts)
+            fv = fz.factorize(v[:, pos].float(), span_len, energy=float(params["energy_v"]), keep=keep_v, **opts)
             out.update(fk.tensors(f"sekv.fk.{li}"))
             out.update(fv.tensors(f"sekv.fv.{li}"))
         return _to_host(out)
+
+    @staticmethod
+    def _trained_router(prefill: PrefillResult, params: dict[str, Any], shape: ModelShape):
+        """Resolve ``router`` for this model (in place, so the manifest records it); the file or None."""
+        from ..sekv import router_file
+
+        spec = router_file.resolve(params.get("router", "auto"), prefill.model_fingerprint, shape)
+        params["router"] = spec
+        if spec == "untrained":
+            params["router_sha256"] = ""
+            return None
+        rf = router_file.load(spec)
+        params["router_sha256"] = router_file.file_sha256(Path(spec))
+        return rf
 
     def open(self, store: TensorStore, params, shape: ModelShape, device) -> KVMemory:
         return SekvMemory(store, params, shape, device)

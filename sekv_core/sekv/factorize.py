@@ -219,17 +219,17 @@ def factorize(
 ) -> Factors:
     """x [Hkv, T, d]: the compressed tokens of one layer in span order (span i has span_len[i] rows).
 
-    Rank rule: the energy rule (:func:`choose_rank`), or ``keep(sigma [Hkv, S, R]) -> bool [Hkv, S, R]``,
-    a per-component decision (the trained rank gate, sekv/rank_gate.py); kept components need not be a
-    prefix: they are moved to the front before packing.
+    Rank rule: the energy rule (:func:`choose_rank`), further narrowed, where given, by
+    ``keep(sigma [Hkv, S, R]) -> bool [Hkv, S, R]``, a per-component decision (the trained rank gate,
+    sekv/rank_gate.py); kept components need not be a prefix: they are moved to the front before packing.
     """
     n = span_len.long().to(x.device)
     us_pad, sig_pad, vt_pad = decompose_spans(x, span_len, rank_max, method)
     hkv, s, _, r_cap = us_pad.shape
-    if keep is None:
-        rank = torch.minimum(choose_rank(sig_pad.reshape(hkv * s, r_cap), energy, rank_max).view(hkv, s), n.view(1, -1))
-    else:
-        mask = keep(sig_pad) & (sig_pad > 0)
+    rank = torch.minimum(choose_rank(sig_pad.reshape(hkv * s, r_cap).cpu(), energy, rank_max).view(hkv, s).to(n.device), n.view(1, -1))
+    if keep is not None:  # the gate may only drop components the energy rule keeps (the rule bounds the pack size)
+        within = torch.arange(r_cap, device=sig_pad.device).view(1, 1, -1) < rank.to(sig_pad.device).unsqueeze(-1)
+        mask = keep(sig_pad) & (sig_pad > 0) & within
         order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)  # kept components first, in order
         us_pad = us_pad.gather(3, order.unsqueeze(2).expand_as(us_pad))
         vt_pad = vt_pad.gather(2, order.unsqueeze(-1).expand_as(vt_pad))

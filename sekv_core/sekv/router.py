@@ -22,8 +22,9 @@ Gates are compared in logit space (p > tau  <=>  logit > log(tau / (1 - tau))):
 the sigmoid saturates in float32 long before the ordering of large logits stops
 mattering for the budget cap.
 
-``load`` is the one place that decides where W and tau come from (today: the
-pack; later: a trained router file).
+``load`` is the one place that decides where W and tau come from: the pack's
+untrained router, the trained router the pack was ingested with, or a router
+file given at ask time (sekv/router_file.py).
 """
 
 from __future__ import annotations
@@ -100,8 +101,33 @@ def gate_logits(query: torch.Tensor, w: torch.Tensor, kbar: torch.Tensor, inv_no
 
 
 def load(store, params: dict, shape) -> Router:
-    """W and tau for a memory: the pack's untrained router (the swap point for a trained one)."""
-    w = torch.stack([store.get(f"sekv.router.w.{i}").float() for i in range(shape.n_layers)])
+    """W and tau for a memory (the one place that decides; see docs/router-training.md).
+
+    ``params["router"]``: ``"untrained"`` -> the pack's PCA-initialised router; a router file whose
+    sha256 differs from the one the pack was ingested with (``params["router_sha256"]``) -> that file's
+    W and tau (its rank gate cannot act: ranks were fixed at ingest); anything else -> the trained
+    router stored in the pack at ingest, or the untrained one where the pack has none.
+    """
+    from pathlib import Path
+
+    from . import router_file
+
+    L = shape.n_layers
+    spec = str(params.get("router", "auto") or "auto")
+    names = set(store.keys())
+    if spec not in ("untrained", "auto", "pack"):
+        p = Path(spec).expanduser()
+        if p.is_file() and router_file.file_sha256(p) != params.get("router_sha256"):
+            rf = router_file.load(p)
+            if tuple(rf.w.shape[:2]) != (L, shape.n_heads) or rf.w.shape[-1] != shape.head_dim:
+                from ..errors import SekvError
+
+                raise SekvError(f"--router: {p.name} does not fit this model's attention shape")
+            return Router(rf.w.float(), rf.tau.float(), "file")
+    if spec != "untrained" and "sekv.router.tw.0" in names:
+        w = torch.stack([store.get(f"sekv.router.tw.{i}").float() for i in range(L)])
+        return Router(w, store.get("sekv.router.ttau").float(), "trained")
+    w = torch.stack([store.get(f"sekv.router.w.{i}").float() for i in range(L)])
     tau = store.get("sekv.router.tau").float()
     if params.get("tau", 0) and float(params["tau"]) > 0:
         tau = torch.full_like(tau, float(params["tau"]))
