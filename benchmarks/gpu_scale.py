@@ -139,17 +139,50 @@ def decode_bench(model, memory, steps: int, repeats: int) -> dict:
             "gpu_top_kernels": prof["top"], "stats": {k: v for k, v in extra.items() if k in ("h2d_bytes_step", "zoom_spans_step", "budget_bytes")}}
 
 
+class stage_timers:
+    """Synchronised wall time per compress stage (sekv_core/methods/sekv.py's calls into its stage modules)."""
+
+    def __enter__(self):
+        from sekv_core.methods import sekv as sm
+
+        self.times: dict[str, float] = {}
+        self.saved = []
+        targets = [(sm, "segment", "segment"), (sm, "weighted_means", "summaries"), (sm.router, "pca_init", "router PCA"),
+                   (sm.router, "span_norms", "router norms"), (sm.rope, "undo", "RoPE undo"), (sm.fz, "factorize", "factorize (SVD + pack)"),
+                   (sm.fz, "_decompose", "  of which Gram + eigensolver"), (sm, "_to_host", "to host")]
+        for mod, name, label in targets:
+            if not hasattr(mod, name):
+                continue
+            fn = getattr(mod, name)
+            self.saved.append((mod, name, fn))
+
+            def timed(*args, _fn=fn, _label=label, **kw):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                r = _fn(*args, **kw)
+                torch.cuda.synchronize()
+                self.times[_label] = self.times.get(_label, 0.0) + time.perf_counter() - t0
+                return r
+
+            setattr(mod, name, timed)
+        return self.times
+
+    def __exit__(self, *exc):
+        for mod, name, fn in self.saved:
+            setattr(mod, name, fn)
+
+
 def force_zoom_rate(rate: float, seed: int = 0):
     """Replace the router's gate logits by random ones whose share above tau is `rate` (see module doc)."""
     from sekv_core.methods import sekv as sekv_method
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    torch.manual_seed(seed)  # the default CUDA generator: its draws are replayed fresh by captured CUDA graphs
     real = sekv_method.router.gate_logits
 
     def gate_logits(query, w, kbar, inv_norm, log_n):
         h, q = query.shape[0], query.shape[1]
         s = kbar.shape[1]
-        z = torch.randn(h, q, s, device=query.device, generator=g)
+        z = torch.randn(h, q, s, device=query.device)
         # logit_tau is the untrained default (logit -2): shift so that P(z + m > -2) = rate
         m = -2.0 - math.sqrt(2) * torch.erfinv(torch.tensor(1 - 2 * rate)).item()
         return z + m
@@ -166,7 +199,7 @@ def main() -> None:
     ap.add_argument("--zoom-rate", type=float, default=0.02)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--chunk", type=int, default=0, help="prefill chunk (0: the whole document in one forward, like the plain prefill)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
@@ -196,7 +229,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
                 # full: prefill into our memory, decode over all of it
                 t = time.perf_counter()
-                res = prefill(model, ids[0], with_surprisal=False, chunk=a.chunk)
+                res = prefill(model, ids[0], with_surprisal=False, chunk=a.chunk or n)
                 torch.cuda.synchronize()
                 row["full_ingest_s"] = time.perf_counter() - t
                 mem = FullMemory.empty(shape, "cuda", capacity=n + 64)
@@ -216,12 +249,14 @@ def main() -> None:
                 params = method.resolve_params({"budget": a.budget})
                 torch.cuda.synchronize()
                 t = time.perf_counter()
-                res = prefill(model, ids[0], with_surprisal=True, chunk=a.chunk)
+                res = prefill(model, ids[0], with_surprisal=True, chunk=a.chunk or n)
                 torch.cuda.synchronize()
                 t_pre = time.perf_counter() - t
                 t_c = time.perf_counter()
-                tensors = method.compress(res, params)
+                with stage_timers() as stages:
+                    tensors = method.compress(res, params)
                 torch.cuda.synchronize()
+                row["sekv_compress_stages_s"] = {k: round(v, 4) for k, v in stages.items()}
                 row["sekv_prefill_s"] = t_pre
                 row["sekv_compress_s"] = time.perf_counter() - t_c
                 row["sekv_ingest_s"] = time.perf_counter() - t

@@ -37,14 +37,17 @@ def test_batched_full_expansion_equals_full_kv(kind, key_space):
 
 
 def _same_cap(monkeypatch):
-    """Give the batched step exactly the reference step's cap (no slot / table bytes, no reserve for later tokens)."""
-    monkeypatch.setattr(decode, "_SLOT_META", 0)
-    monkeypatch.setattr(blocks.Blocks, "index_bytes", lambda self: 0)
-    orig = decode.BatchedDecoder._slots_for
+    """Give the batched step exactly the reference step's cap (nothing counted beyond the reference's persistent
+    part, no reserve for later tokens), so that both keep the same spans."""
 
     def now_only(self, n_appended):
         m = self.mem
-        return orig(self, m.kv.len[-1] - m.n_base + self.n_new)
+        if m.budget is None or m.zoom == "all":
+            return None
+        appended = m.kv.len[-1] - m.n_base + self.n_new
+        full = (m.n_doc + appended) * m.shape.kv_bytes_per_token()
+        persistent = (m.n_base + appended) * self.hkv * m.entry_bytes * self.L + m.router_bytes
+        return max(0, int(m.budget * full) - persistent) // self.L // m.entry_bytes
 
     monkeypatch.setattr(decode.BatchedDecoder, "_slots_for", now_only)
 
@@ -132,3 +135,40 @@ def test_blocks_fetch_unpack_reconstruct_like_the_packed_gather(int8):
     # what moved: each kept block up to the end of its own rows (no padding past them), one word per skipped pair
     assert int(words) == int(b.used[pair[ok]].sum()) + 1
     assert int(b.used.max()) <= b.stride and int(b.used.min()) < b.stride
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_batched_and_graphed_steps_match_cpu_reference(monkeypatch):
+    """On CUDA: the batched step (UVA fetch), eager and as captured per-layer graphs, against the CPU reference."""
+    _same_cap(monkeypatch)
+    from test_sekv_method import tiny
+
+    for params in (EXACT, {"budget": 0.5, "min_span": 10}):
+        model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, **params)
+        gpu_model = tiny("qwen2").cuda()
+        gpu_model.load_state_dict(model.state_dict())
+        runtime.install(gpu_model)
+        mems = []
+        for graphs in (False, True):
+            gm = methods.get("sekv").open(store, p, res.shape, "cuda")
+            assert gm.batched
+            gm._dec = decode.BatchedDecoder(gm)
+            gm._dec.graphs_on = graphs
+            assert gm._dec.uva
+            mems.append(gm)
+        q = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(3))
+        a = runtime.forward_logits(model, q, mem.n_tokens(), mem, last_only=False)
+        for k, gm in enumerate(mems):
+            b = runtime.forward_logits(gpu_model, q.cuda(), gm.n_tokens(), gm, last_only=False).cpu()
+            assert torch.allclose(a, b, atol=2e-3, rtol=1e-3), (params, k, (a - b).abs().max())
+        for step in range(5):
+            nxt = a[:, -1:].argmax(-1)
+            a = runtime.forward_logits(model, nxt, mem.n_tokens(), mem)
+            for k, gm in enumerate(mems):
+                b = runtime.forward_logits(gpu_model, nxt.cuda(), gm.n_tokens(), gm).cpu()
+                assert torch.allclose(a, b, atol=2e-3, rtol=1e-3), (params, "graphs" if k else "eager", step, (a - b).abs().max())
+        assert all(x is not None for x in mems[1]._dec.graphs)
+        x = mem.step_stats().extra
+        for gm in mems:
+            y = gm.step_stats().extra
+            assert x["zoom_spans_total"] == y["zoom_spans_total"] and x["span_zoom_counts"] == y["span_zoom_counts"]

@@ -198,6 +198,7 @@ def test_cuda_path_matches_cpu():
         gpu_model.load_state_dict(model.state_dict())
         runtime.install(gpu_model)
         gmem = methods.get("sekv").open(store, p, res.shape, "cuda")
+        gmem.batched = False  # the reference step with pinned staging (the batched step: tests/test_sekv_decode.py)
         q = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(3))
         a = runtime.forward_logits(model, q, mem.n_tokens(), mem, last_only=False)
         b = runtime.forward_logits(gpu_model, q.cuda(), gmem.n_tokens(), gmem, last_only=False).cpu()

@@ -338,13 +338,56 @@ class SekvMemory(KVMemory):
             self._h2d_total += self._h2d_step
 
 
-def _to_host(out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Pack tensors computed on an accelerator -> pinned host memory (asynchronous copies, one sync)."""
-    if all(t.device.type == "cpu" for t in out.values()):
-        return out
-    host = {k: (t if t.device.type == "cpu" else t.to("cpu", non_blocking=True)) for k, t in out.items()}
-    torch.cuda.synchronize()
-    return host
+class _HostCopies:
+    """Pack tensors computed on an accelerator -> host memory, each layer's while the next one computes.
+
+    A worker thread copies a finished layer's tensors on a side stream (which waits only for that layer's
+    work), so the device->host transfer of the factors overlaps the factorisation of the following layers.
+    Page-locking a multi-GB destination cost more than the copy itself on the H200 (docs/gpu.md), so the
+    copies go to ordinary memory.  On the CPU it does nothing.
+    """
+
+    def __init__(self, device: torch.device):
+        self.on = device.type == "cuda"
+        self.done: set[str] = set()
+        self.jobs = []
+        if self.on:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.stream = torch.cuda.Stream(device)
+            self.pool = ThreadPoolExecutor(1)
+
+    def submit(self, out: dict[str, torch.Tensor]) -> None:
+        if not self.on:
+            return
+        todo = {k: t for k, t in out.items() if k not in self.done and t.device.type != "cpu"}
+        self.done.update(todo)
+        ev = torch.cuda.Event()
+        ev.record()
+
+        def work():
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(ev)
+                return {k: t.to("cpu") for k, t in todo.items()}
+
+        self.jobs.append(self.pool.submit(work))
+
+    def finish(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not self.on:
+            return out
+        self.submit(out)
+        host = dict(out)
+        for j in self.jobs:
+            host.update(j.result())
+        self.pool.shutdown()
+        return host
+
+
+def _to_host(out: dict[str, torch.Tensor], copies: "_HostCopies | None" = None) -> dict[str, torch.Tensor]:
+    """Pack tensors -> host memory (what ``copies`` has not moved yet, then everything it moved)."""
+    if copies is None:
+        copies = _HostCopies(next((t.device for t in out.values() if t.device.type != "cpu"), torch.device("cpu")))
+    return copies.finish(out)
 
 
 class SekvMethod(CacheMethod):
@@ -447,7 +490,9 @@ class SekvMethod(CacheMethod):
         pos, sid, weights, full_idx = pos.to(dev), sid.to(dev), weights.to(dev), seg.full_idx.to(dev)
         if pre:
             cos, sin = cos.to(dev), sin.to(dev)
+        copies = _HostCopies(dev)
         for li in range(L):
+            copies.submit(out)  # the previous layer's results travel while this layer computes
             k, v = prefill.keys[li], prefill.values[li]
             out[f"sekv.full.k.{li}"] = k[:, full_idx].contiguous()
             out[f"sekv.full.v.{li}"] = v[:, full_idx].contiguous()
@@ -472,7 +517,7 @@ class SekvMethod(CacheMethod):
             fv = fz.factorize(v[:, pos].float(), span_len, energy=float(params["energy_v"]), keep=keep_v, **opts)
             out.update(fk.tensors(f"sekv.fk.{li}"))
             out.update(fv.tensors(f"sekv.fv.{li}"))
-        return _to_host(out)
+        return _to_host(out, copies)
 
     @staticmethod
     def _trained_router(prefill: PrefillResult, params: dict[str, Any], shape: ModelShape):

@@ -178,7 +178,8 @@ def flat_attention(
         qf = query[0, :, a : a + q_chunk].float()  # [H, qc, d]
         qc = qf.shape[1]
         sa = torch.matmul(qf.reshape(hkv, g * qc, d), kf.transpose(1, 2)).view(h, qc, t) * scaling + resident_mask[0, :, a : a + qc].float()
-        sb = (torch.matmul(qf.reshape(h * qc, d), rkf.t()).view(h, qc, -1) * scaling).masked_fill(hide, NEG_INF)
+        # [U, d] x [d, H q], transposed: a tall product that cuBLAS runs on tensor cores (TF32 where enabled)
+        sb = (torch.matmul(rkf, qf.reshape(h * qc, d).t()).t().view(h, qc, -1) * scaling).masked_fill(hide, NEG_INF)
         m = sa.amax(-1, keepdim=True)
         if sb.shape[-1]:
             m = torch.maximum(m, sb.amax(-1, keepdim=True))

@@ -162,8 +162,8 @@ def fetch(b: Blocks, pair: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor
     return rows.view(-1, b.stride), used.sum()
 
 
-def unpack(b: Blocks, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fetched rows -> dequantised (U*sigma [P, 2, n_max, r_max], Vt [P, 2, r_max, d]) float32.
+def unpack(b: Blocks, rows: torch.Tensor, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fetched rows -> dequantised (U*sigma [P, 2, n_max, r_max], Vt [P, 2, r_max, d]) in ``dtype``.
 
     Rows of U*sigma past a block's own length hold whatever the fetch repeated there (not zero): callers
     discard them.
@@ -173,9 +173,9 @@ def unpack(b: Blocks, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     es = torch.empty(0, dtype=dt).element_size()
     oa, ob, oc, od = b.sections
     by = rows.view(torch.uint8)
-    vt = by[:, oa : oa + 2 * rm * d * es].view(dt).reshape(p, 2, rm, d).float()
-    us = by[:, od : od + nm * 2 * rm * es].view(dt).reshape(p, nm, 2, rm).float()
+    vt = by[:, oa : oa + 2 * rm * d * es].view(dt).reshape(p, 2, rm, d).to(dtype)
+    us = by[:, od : od + nm * 2 * rm * es].view(dt).reshape(p, nm, 2, rm).to(dtype)
     if b.int8:
-        vt = vt * by[:, ob : ob + 2 * rm * 2].view(torch.float16).reshape(p, 2, rm, 1).float()
-        us = us * by[:, oc : oc + nm * 2 * 2].view(torch.float16).reshape(p, nm, 2, 1).float()
+        vt = vt * by[:, ob : ob + 2 * rm * 2].view(torch.float16).reshape(p, 2, rm, 1).to(dtype)
+        us = us * by[:, oc : oc + nm * 2 * 2].view(torch.float16).reshape(p, nm, 2, 1).to(dtype)
     return us.transpose(1, 2), vt

@@ -31,7 +31,7 @@ from . import blocks as fb
 from . import rope, router
 from .attention import build_mask, flat_attention, route, select_topk
 
-_SLOT_META = 8  # bytes per slot: group id + span id (int32)
+_SLOT_META = 0  # bytes per slot beyond its K and V (slot -> pair is recomputed each step, nothing is stored)
 
 
 class BatchedDecoder:
@@ -49,11 +49,17 @@ class BatchedDecoder:
         self.P = 0
         self.rk: list[torch.Tensor] = []
         self.rv: list[torch.Tensor] = []
-        self.gid: list[torch.Tensor] = []
-        self.sid: list[torch.Tensor] = []
         dev = mem.device
         self.head_group = torch.arange(sh.n_heads, device=dev) // (sh.n_heads // self.hkv)
         self.reset_stats()
+        # CUDA graphs of the single-token step, one per layer (sharing one memory pool: replayed in capture order)
+        self.graphs_on = mem.cuda
+        self.graphs: list = [None] * self.L
+        self.graph_key: list = [None] * self.L
+        self.g_query: list = [None] * self.L
+        self.g_out: list = [None] * self.L
+        self.g_len = torch.zeros((), dtype=torch.long, device=dev)
+        self.pool = torch.cuda.graph_pool_handle() if mem.cuda else None
 
     # -- budget ---------------------------------------------------------------------------------------------
 
@@ -86,13 +92,11 @@ class BatchedDecoder:
 
     def _allocate(self, u: int) -> None:
         m, dev = self.mem, self.mem.device
-        self.rk = self.rv = self.gid = self.sid = []
+        self.rk = self.rv = []
         self.U = u
         self.P = 0 if u == 0 else min(self.hkv * m.n_spans, u // max(1, self.min_len) + 1)
-        self.rk = [torch.zeros(u + 1, self.d, dtype=m.shape.dtype, device=dev) for _ in range(self.L)]  # row u: padding sink
+        self.rk = [torch.zeros(u, self.d, dtype=m.shape.dtype, device=dev) for _ in range(self.L)]
         self.rv = [torch.zeros_like(t) for t in self.rk]
-        self.gid = [torch.zeros(u + 1, dtype=torch.int32, device=dev) for _ in range(self.L)]
-        self.sid = [torch.zeros(u + 1, dtype=torch.int32, device=dev) for _ in range(self.L)]
 
     def resident_bytes(self) -> int:
         """Device bytes beyond the resident KV + router: block tables, slot buffers (capacity) and slot tables."""
@@ -101,6 +105,10 @@ class BatchedDecoder:
     # -- stats ----------------------------------------------------------------------------------------------
 
     def reset_stats(self) -> None:
+        if hasattr(self, "d_step"):  # in place: captured graphs hold these tensors
+            for x in self._stat_tensors():
+                x.zero_()
+            return
         m, dev = self.mem, self.mem.device
         s = m.n_spans
         self.d_step = torch.zeros(s, dtype=torch.bool, device=dev)
@@ -128,14 +136,26 @@ class BatchedDecoder:
             self.begin_forward(query.shape[-2])
         keys, values = m.kv.append(layer, key, value)
         h, q = query.shape[1], query.shape[2]
+        if q == 1 and self.U > 0 and self.graphs_on:
+            return self._replay(layer, query, scaling)
+        n_tail = m.kv.len[layer] - m.n_base
+
+        def resident_mask(expanded):
+            return build_mask(n_heads=h, n_q=q, n_full=m.n_full, log_n=m.log_n, expanded=expanded, n_tail=n_tail, slot_span=None, dtype=torch.float32)
+
+        with _tf32(query.is_cuda and query.dtype != torch.float32):
+            return self._core(layer, query, keys, values, resident_mask, scaling)
+
+    def _core(self, layer, query, keys, values, resident_mask, scaling) -> torch.Tensor:
+        """Route, cap, fetch, reconstruct, attend, count: shapes depend only on the memory, never on the data."""
+        m = self.mem
+        h = query.shape[1]
         hkv, s, d = self.hkv, m.n_spans, self.d
         dev = query.device
-        n_tail = m.kv.len[layer] - m.n_base
         if self.U <= 0:
             expanded = torch.zeros(h, s, dtype=torch.bool, device=dev)
-            mask = build_mask(n_heads=h, n_q=q, n_full=m.n_full, log_n=m.log_n, expanded=expanded, n_tail=n_tail, slot_span=None, dtype=torch.float32)
             empty = keys.new_zeros(0, d)
-            return flat_attention(query, keys, values, mask, empty, empty, torch.zeros(h, 0, dtype=torch.bool, device=dev), scaling)
+            return flat_attention(query, keys, values, resident_mask(expanded), empty, empty, torch.zeros(h, 0, dtype=torch.bool, device=dev), scaling)
         if m.zoom == "all":
             cand = torch.ones(h, s, dtype=torch.bool, device=dev)
             prio = torch.zeros(hkv, s, device=dev)
@@ -153,31 +173,39 @@ class BatchedDecoder:
 
         b = self.blocks[layer]
         rows, words = fb.fetch(b, pair, ok)
-        n = m.span_len_dev[i]
-        us, vt = fb.unpack(b, rows)
-        rec = torch.matmul(us, vt)  # [P, 2, n_max, d] float32 (rows past n_i: discarded below)
+        # dequantised and multiplied in the model dtype (bf16 on GPU: tensor cores; int8 levels are exact in bf16,
+        # and the factors' quantisation error dominates bf16 rounding)
+        us, vt = fb.unpack(b, rows, m.shape.dtype)
+        rec = torch.matmul(us, vt)  # [P, 2, n_max, d]; rows past n_i unused
         nm = b.n_max
-        krows = rec[:, 0].reshape(-1, d)
-        if m.pre_rope:
-            pos = m.span_start_dev[i].view(-1, 1) + torch.arange(nm, device=dev).view(1, -1)
-            cos, sin = rope.cos_sin(pos.flatten(), m.inv_freq, m.rope_scaling, dtype=m.shape.dtype)
-            krows = rope.apply(krows, cos, sin)
-        n_ok = torch.where(ok, n, torch.zeros_like(n))
-        start = torch.cumsum(n_ok, 0) - n_ok
-        j = torch.arange(nm, device=dev).view(1, -1)
-        dest = torch.where(j < n_ok.view(-1, 1), start.view(-1, 1) + j, torch.full_like(j, u)).flatten()
-        rk, rv, gid, sid = self.rk[layer], self.rv[layer], self.gid[layer], self.sid[layer]
-        rk.index_copy_(0, dest, krows.to(rk.dtype))
-        rv.index_copy_(0, dest, rec[:, 1].reshape(-1, d).to(rv.dtype))
-        gid.index_copy_(0, dest, g.to(torch.int32).repeat_interleave(nm))
-        sid.index_copy_(0, dest, i.to(torch.int32).repeat_interleave(nm))
-        rk[u].zero_()  # the padding sink took the discarded rows: keep it finite (its weight is 0, not its value)
-        rv[u].zero_()
-        slot_ok = torch.arange(u + 1, device=dev) < n_ok.sum()
-        sidl = sid.long().clamp(0, max(s - 1, 0))
-        visible = slot_ok.view(1, -1) & (gid.long().view(1, -1) == self.head_group.view(-1, 1)) & expanded.gather(1, sidl.view(1, -1).expand(h, -1))
-        mask = build_mask(n_heads=h, n_q=q, n_full=m.n_full, log_n=m.log_n, expanded=expanded, n_tail=n_tail, slot_span=None, dtype=torch.float32)
-        out = flat_attention(query, keys, values, mask, rk, rv, visible, scaling)
+        # fill the flat slots by gathering rows (slot t <- pair p(t), row j(t)); a scatter would pile the unused
+        # rows onto one sink row, which serialises on the GPU
+        n_ok = torch.where(ok, m.span_len_dev[i], torch.zeros_like(i))
+        ends = torch.cumsum(n_ok, 0)
+        t = torch.arange(u, device=dev)
+        p_of = torch.searchsorted(ends, t, right=True).clamp_max(pair.numel() - 1)  # slot -> pair
+        j_of = t - (ends - n_ok)[p_of]  # slot -> row within its span
+        slot_ok = t < ends[-1]
+        src = torch.where(slot_ok, p_of * nm + j_of, torch.zeros_like(t))
+        rk, rv = self.rk[layer], self.rv[layer]
+        krows = rec[:, 0].reshape(-1, d).index_select(0, src)
+        if m.pre_rope:  # rotate_half convention: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), c / s from the table
+            tok = (m.span_start_dev[i][p_of] + j_of).float()
+            ang = tok.view(-1, 1) * m.inv_freq.view(1, -1)  # [U, d/2]: the two halves of cos / sin are equal
+            c, sn = _round(ang.cos() * m.rope_scaling, m.shape.dtype), _round(ang.sin() * m.rope_scaling, m.shape.dtype)
+            x1, x2 = krows[:, : d // 2].float(), krows[:, d // 2 :].float()
+            krows = torch.cat([x1 * c - x2 * sn, x2 * c + x1 * sn], 1)
+        empty_slot = ~slot_ok.view(-1, 1)  # their rows come from an unfetched block: any bits, so select zeros
+        rk[:u].copy_(krows.masked_fill(empty_slot, 0))
+        torch.index_select(rec[:, 1].reshape(-1, d), 0, src, out=rv[:u])
+        rv[:u].masked_fill_(empty_slot, 0)
+        # head h sees slot t iff t is filled, t's group is h's and h itself wanted t's span
+        mine = self.head_group.view(1, -1) == g.view(-1, 1)  # [P, H]
+        if m.head_masks:
+            mine = mine & cand.t()[i]
+        visible = (mine.index_select(0, p_of) & slot_ok.view(-1, 1)).t()  # [H, U]
+        rk, rv = rk[:u], rv[:u]
+        out = flat_attention(query, keys, values, resident_mask(expanded), rk, rv, visible, scaling)
 
         spans = keep.any(0)
         self.d_step |= spans
@@ -187,3 +215,80 @@ class BatchedDecoder:
         self.d_h2d_step += words * 8
         self.d_h2d_total += words * 8
         return out
+
+    # -- one CUDA graph per layer for single-token steps ------------------------------------------------------
+
+    def _replay(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The q = 1 step of a layer as a captured CUDA graph: the resident part is attended over the whole
+        preallocated buffer with a length mask from a device scalar, so no shape changes from step to step;
+        a graph is recaptured only when the buffers are reallocated (tail growth, new slot count)."""
+        m = self.mem
+        kb, vb = m.kv.k[layer], m.kv.v[layer]
+        key = (kb.data_ptr(), kb.shape[-2], self.U, float(scaling))
+        if layer == 0:
+            self.g_len.fill_(m.kv.len[0])  # every layer has the same length in a decode step
+        if self.graph_key[layer] != key:
+            self._capture(layer, query, scaling, key)
+        self.g_query[layer].copy_(query)
+        self.graphs[layer].replay()
+        return self.g_out[layer]
+
+    def _capture(self, layer: int, query: torch.Tensor, scaling: float, key) -> None:
+        m = self.mem
+        kb, vb = m.kv.k[layer], m.kv.v[layer]
+        t = kb.shape[-2]
+        n_now = m.kv.len[layer]
+        kb[:, :, n_now:].zero_()  # capacity past the tail: finite (masked, but its values enter the product)
+        vb[:, :, n_now:].zero_()
+        h = query.shape[1]
+        self.g_query[layer] = query.clone()
+        pos = torch.arange(t, device=query.device)
+        qv = self.g_query[layer]
+
+        def resident_mask(expanded):
+            mask = torch.where(pos < self.g_len, 0.0, float("-inf")).view(1, t).repeat(h, 1)
+            mask[:, m.n_full : m.n_base] = torch.where(expanded, float("-inf"), m.log_n.float().view(1, -1))
+            return mask.view(1, h, 1, t)
+
+        def run():
+            with _tf32(query.dtype != torch.float32):
+                return self._core(layer, qv, kb, vb, resident_mask, scaling)
+
+        saved = [x.clone() for x in self._stat_tensors()]
+        side = torch.cuda.Stream(query.device)
+        side.wait_stream(torch.cuda.current_stream(query.device))
+        with torch.cuda.stream(side):
+            run()  # warm-up outside the capture (allocations, cuBLAS workspaces)
+        torch.cuda.current_stream(query.device).wait_stream(side)
+        for x, y in zip(self._stat_tensors(), saved):
+            x.copy_(y)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            self.g_out[layer] = run()
+        self.graphs[layer] = g
+        self.graph_key[layer] = key
+
+    def _stat_tensors(self) -> list[torch.Tensor]:
+        return [self.d_step, self.d_ask, self.d_counts, self.d_rate, self.d_h2d_step, self.d_h2d_total]
+
+
+def _round(x: torch.Tensor, dtype) -> torch.Tensor:
+    """Round through the model dtype like the model's rotary embedding does (sekv/rope.py: cos_sin)."""
+    return x if dtype == torch.float32 else x.to(dtype).float()
+
+
+class _tf32:
+    """float32 products on tensor cores (TF32) inside the step: the inputs are bf16 / int8-times-scale values,
+    which TF32's 10-bit mantissa holds (bf16: 7 bits) or rounds far below their quantisation error."""
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        if self.on:
+            self.old = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = True
+
+    def __exit__(self, *exc):
+        if self.on:
+            torch.backends.cuda.matmul.allow_tf32 = self.old
