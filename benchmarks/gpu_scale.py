@@ -140,7 +140,8 @@ def decode_bench(model, memory, steps: int, repeats: int) -> dict:
 
 
 class stage_timers:
-    """Synchronised wall time per compress stage (sekv_core/methods/sekv.py's calls into its stage modules)."""
+    """Wall time per compress stage (sekv_core/methods/sekv.py's calls into its stage modules), synchronising the
+    compute stream around each call; "to host" is what is left of the device->host copies after the last layer."""
 
     def __enter__(self):
         from sekv_core.methods import sekv as sm
@@ -156,11 +157,11 @@ class stage_timers:
             fn = getattr(mod, name)
             self.saved.append((mod, name, fn))
 
-            def timed(*args, _fn=fn, _label=label, **kw):
-                torch.cuda.synchronize()
+            def timed(*args, _fn=fn, _label=label, **kw):  # the compute stream only: not the overlapped D2H copies
+                torch.cuda.current_stream().synchronize()
                 t0 = time.perf_counter()
                 r = _fn(*args, **kw)
-                torch.cuda.synchronize()
+                torch.cuda.current_stream().synchronize()
                 self.times[_label] = self.times.get(_label, 0.0) + time.perf_counter() - t0
                 return r
 

@@ -58,6 +58,7 @@ class BatchedDecoder:
         self.graph_key: list = [None] * self.L
         self.g_query: list = [None] * self.L
         self.g_out: list = [None] * self.L
+        self.g_pos: list = [None] * self.L
         self.g_len = torch.zeros((), dtype=torch.long, device=dev)
         self.pool = torch.cuda.graph_pool_handle() if mem.cuda else None
 
@@ -242,7 +243,7 @@ class BatchedDecoder:
         vb[:, :, n_now:].zero_()
         h = query.shape[1]
         self.g_query[layer] = query.clone()
-        pos = torch.arange(t, device=query.device)
+        pos = self.g_pos[layer] = torch.arange(t, device=query.device)  # kept: the graph reads it at every replay
         qv = self.g_query[layer]
 
         def resident_mask(expanded):
