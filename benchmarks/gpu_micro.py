@@ -3,7 +3,8 @@
 * batched eigendecomposition of span Gram matrices (float64, d = 128): torch.linalg.eigh on the whole
   batch vs the subspace iteration sekv uses on CUDA (sekv/factorize.py: top_eigh, 32 components);
 * host -> device bandwidth: a pinned cudaMemcpy of a contiguous buffer vs a device-side gather of
-  fixed-stride blocks straight from pinned host memory (sekv/blocks.py: the UVA view).
+  fixed-stride blocks straight from pinned host memory (sekv/blocks.py: the UVA view);
+* device -> host of pack-sized data (2 GiB): into fresh ordinary memory, and page-locking + copying.
 
     python benchmarks/gpu_micro.py
 """
@@ -57,6 +58,19 @@ def main():
         out["uva_gather_GBps"] = moved / timed(lambda: view.index_select(0, idx)) / 1e9
         ok = torch.equal(view.index_select(0, idx[:4096]).cpu(), host[idx[:4096].cpu()])
         out["uva_gather_correct"] = ok
+    # device -> host of pack-sized data: into fresh ordinary memory vs into freshly page-locked memory
+    big = torch.empty(2 << 30, dtype=torch.uint8, device=dev).random_(0, 255)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    big.to("cpu")
+    out["d2h_pageable_fresh_GBps"] = big.numel() / (time.perf_counter() - t) / 1e9
+    t = time.perf_counter()
+    pinned = torch.empty(big.numel(), dtype=torch.uint8, pin_memory=True)
+    out["pin_alloc_GBps"] = big.numel() / (time.perf_counter() - t) / 1e9
+    t = time.perf_counter()
+    pinned.copy_(big)
+    torch.cuda.synchronize()
+    out["d2h_pinned_GBps"] = big.numel() / (time.perf_counter() - t) / 1e9
     print(json.dumps(out), flush=True)
     return out
 
