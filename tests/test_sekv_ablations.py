@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from pathlib import Path
@@ -14,8 +13,8 @@ from typer.testing import CliRunner
 
 from conftest import ROOT
 from sekv_cli.app import app
-from sekv_core import methods, models, runtime
-from sekv_core.bench import report, runner, variants
+from sekv_core import methods, runtime
+from sekv_core.bench import runner, variants
 from sekv_core.errors import SekvError
 from sekv_core.generate import generate
 from sekv_core.methods.base import GrowingKV
