@@ -7,10 +7,17 @@ driven at a fixed, realistic rate (--zoom-rate, the share of (query head, span)
 pairs the router expands on the real default model; docs/sekv.md) with random
 priorities, and the budget cap then applies exactly as in the product.
 
-One call through the device tool (writes JSON + Markdown under $OUT):
+One call through the device tool (writes JSON under $OUT; docs/gpu.md has the numbers):
 
     python benchmarks/gpu_scale.py --configs llama3-8b,qwen2.5-0.5b --contexts 8192,32768,65536,131072 \
-        --budget 0.10 --out "$OUT"
+        --steps 8 --repeats 2 --out "$OUT"
+
+Per configuration: a plain transformers prefill (SDPA, last logits only); `full` = our prefill hook
+(whole document in one forward) + decode through the hook over all of the KV; `sekv` = prefill with
+surprisal + compress (timed per stage) + open (host factor blocks) + decode through the batched step
+(per-layer CUDA graphs).  Decode: median of --repeats runs of --steps single-token steps (CUDA
+events, after a warm-up run), then one profiled step (torch.profiler): GPU-busy time, kernel count,
+top kernels.  Peak GPU memory is the decode phase's (after ingest, prefill buffers freed).
 """
 
 from __future__ import annotations
@@ -201,6 +208,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=0, help="prefill chunk (0: the whole document in one forward, like the plain prefill)")
+    ap.add_argument("--pin-arena", action="store_true", help="sekv: page-lock the pack's host memory during the prefill (docs/gpu.md)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
@@ -250,6 +258,8 @@ def main() -> None:
                 params = method.resolve_params({"budget": a.budget})
                 torch.cuda.synchronize()
                 t = time.perf_counter()
+                if a.pin_arena:  # page-lock the pack's host memory in the background while the prefill runs
+                    method.reserve_host(n, shape, params)
                 res = prefill(model, ids[0], with_surprisal=True, chunk=a.chunk or n)
                 torch.cuda.synchronize()
                 t_pre = time.perf_counter() - t

@@ -135,7 +135,10 @@ class SekvMemory(KVMemory):
         isz = torch.empty(0, dtype=shape.dtype).element_size()
         self.entry_bytes = 2 * d * isz  # K+V of one token of one KV head
         self.cost = (self.span_len * self.entry_bytes).to(device)  # bytes to reconstruct span i for one KV group
-        self.router_bytes = sum(t.numel() * t.element_size() for t in (self.w, self.inv_norm, self.logit_tau, self.log_n))
+        # per-document router state counts as resident KV; a trained W is a model parameter (the same for every
+        # document, like the model's own projections), so only the untrained, per-document PCA W is counted
+        per_doc = (self.inv_norm, self.logit_tau, self.log_n) + ((self.w,) if rt.source == "pack" else ())
+        self.router_bytes = sum(t.numel() * t.element_size() for t in per_doc)
         budget = float(params.get("budget", 0.10))
         self.budget = None if budget <= 0 or budget >= 1 else budget
         self.head_masks = bool(params.get("head_masks", True))
@@ -341,21 +344,32 @@ class SekvMemory(KVMemory):
 class _HostCopies:
     """Pack tensors computed on an accelerator -> host memory, each layer's while the next one computes.
 
-    A worker thread copies a finished layer's tensors on a side stream (which waits only for that layer's
-    work), so the device->host transfer of the factors overlaps the factorisation of the following layers.
-    Page-locking a multi-GB destination cost more than the copy itself on the H200 (docs/gpu.md), so the
-    copies go to ordinary memory.  On the CPU it does nothing.
+    Without an arena a worker thread copies into ordinary memory (page faults bound it: 1.5 GB/s on the H200
+    machine, against 2.8 GB/s to page-lock and 55 GB/s to copy into locked memory, benchmarks/gpu_micro.py).
+    With a page-locked ``arena`` (``SekvMethod.reserve_host``) a finished layer's tensors are DMA-copied into
+    views of it on a side stream that waits only for that layer's work.  On the CPU it does nothing.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, arena: torch.Tensor | None = None):
         self.on = device.type == "cuda"
         self.done: set[str] = set()
         self.jobs = []
+        self.arena, self.off = arena, 0
         if self.on:
             from concurrent.futures import ThreadPoolExecutor
 
             self.stream = torch.cuda.Stream(device)
             self.pool = ThreadPoolExecutor(1)
+
+    def _slot(self, t: torch.Tensor) -> torch.Tensor | None:
+        if self.arena is None:
+            return None
+        nb = t.numel() * t.element_size()
+        o = (self.off + 63) // 64 * 64
+        if o + nb > self.arena.numel():
+            return None
+        self.off = o + nb
+        return self.arena[o : o + nb].view(t.dtype).view(t.shape)
 
     def submit(self, out: dict[str, torch.Tensor]) -> None:
         if not self.on:
@@ -364,13 +378,26 @@ class _HostCopies:
         self.done.update(todo)
         ev = torch.cuda.Event()
         ev.record()
+        rest = {}
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ev)
+            got = {}
+            for k, t in todo.items():
+                dst = self._slot(t.contiguous() if not t.is_contiguous() else t)
+                if dst is None:
+                    rest[k] = t
+                    continue
+                dst.copy_(t, non_blocking=True)
+                t.record_stream(self.stream)
+                got[k] = dst
+        self.jobs.append(got)
+        if rest:
 
-        def work():
-            with torch.cuda.stream(self.stream):
-                self.stream.wait_event(ev)
-                return {k: t.to("cpu") for k, t in todo.items()}
+            def work():
+                with torch.cuda.stream(self.stream):
+                    return {k: t.to("cpu") for k, t in rest.items()}
 
-        self.jobs.append(self.pool.submit(work))
+            self.jobs.append(self.pool.submit(work))
 
     def finish(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not self.on:
@@ -378,7 +405,8 @@ class _HostCopies:
         self.submit(out)
         host = dict(out)
         for j in self.jobs:
-            host.update(j.result())
+            host.update(j if isinstance(j, dict) else j.result())
+        self.stream.synchronize()
         self.pool.shutdown()
         return host
 
@@ -448,6 +476,39 @@ class SekvMethod(CacheMethod):
         chunk = float(params.get("chunk", 0)) or (float(seg.span_len.float().mean()) if seg.n_spans else 0.0)
         return fixed_segment(n, chunk=chunk, n_sink=int(params["n_sink"]), window=w, anchors=anchors)
 
+    def reserve_host(self, n_tokens: int, shape: ModelShape, params: dict[str, Any]) -> None:
+        """Start page-locking host memory for the pack of an n_tokens document in a background thread;
+        compress() then copies into it.  Measured on the H200 (docs/gpu.md): compress halves, but the
+        page-locking holds the CUDA driver and the prefill it was meant to overlap grows by as much, so it
+        pays only where the locked memory is reused (several ingests in one process)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(1)
+        nbytes = self._host_bound(n_tokens, shape, params)
+        self._arena = (pool.submit(lambda: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)), pool)
+
+    def _take_arena(self) -> torch.Tensor | None:
+        a = getattr(self, "_arena", None)
+        self._arena = None
+        if a is None:
+            return None
+        fut, pool = a
+        pool.shutdown(wait=False)
+        return fut.result()
+
+    def _host_bound(self, n: int, shape: ModelShape, params: dict[str, Any]) -> int:
+        """An upper bound of the pack's tensor bytes for n tokens (spans at least min_span long)."""
+        mn, _, w = self.lengths(n, params)
+        L, hkv, d = shape.n_layers, shape.n_kv_heads, shape.head_dim
+        isz = torch.empty(0, dtype=shape.dtype).element_size()
+        s = n // max(mn, 1) + 2
+        f = min(n, w + int(params["n_sink"]) + 2 * s + mn)
+        r = int(params["rank_max"])
+        es = 1 if params["factors_8bit"] else torch.empty(0, dtype=getattr(torch, params["factor_dtype"])).element_size()
+        per_kind = hkv * n * r * es + hkv * s * r * d * es + 2 * hkv * n + 2 * hkv * s * r + 2 * hkv * s
+        per_layer = 2 * per_kind + 2 * hkv * (f + s) * d * isz + hkv * int(params["d_r"]) * d * 4 + hkv * s * 4
+        return L * (per_layer + 64 * 16)
+
     def compress(self, prefill: PrefillResult, params):
         # many small tensor ops: intra-op threads cost more than they give on a small CPU (docs/sekv.md)
         with fz.single_thread():
@@ -490,7 +551,7 @@ class SekvMethod(CacheMethod):
         pos, sid, weights, full_idx = pos.to(dev), sid.to(dev), weights.to(dev), seg.full_idx.to(dev)
         if pre:
             cos, sin = cos.to(dev), sin.to(dev)
-        copies = _HostCopies(dev)
+        copies = _HostCopies(dev, self._take_arena() if dev.type == "cuda" else None)
         for li in range(L):
             copies.submit(out)  # the previous layer's results travel while this layer computes
             k, v = prefill.keys[li], prefill.values[li]
