@@ -138,8 +138,8 @@ def _decompose(a: torch.Tensor, method: str, want: int | None = None) -> tuple[t
     eigensolver takes, the leading ones come from :func:`top_eigh` (k = want).
     """
     if method == "gram" and a.is_cuda and want is not None and want < min(a.shape[1], a.shape[2]) and a.shape[2] > BATCHED_EIG_MAX and want <= BATCHED_EIG_MAX:
-        # float32 and 3 iterations: 99.5% of the optimal rank-32 energy on key-like spectra with an outlier
-        # dimension, the same as float64 (docs/gpu.md); the exact float64 path stays for full rank and the CPU
+        # float32 and 3 iterations: 99.5% of the optimal rank-32 energy on average on key-like spectra with an
+        # outlier dimension, as float64 gives (docs/gpu.md); the exact float64 path stays for full rank and the CPU
         af = a.float()
         evals, v = top_eigh(af.transpose(1, 2) @ af, want, iters=3)
         return (af @ v).to(a.dtype), evals.sqrt().to(a.dtype), v.transpose(1, 2).to(a.dtype)
