@@ -172,3 +172,18 @@ def test_cuda_batched_and_graphed_steps_match_cpu_reference(monkeypatch):
         for gm in mems:
             y = gm.step_stats().extra
             assert x["zoom_spans_total"] == y["zoom_spans_total"] and x["span_zoom_counts"] == y["span_zoom_counts"]
+
+
+@pytest.mark.parametrize("kw", [{"n": 12, "factors_8bit": False}, {"n": 300, "zoom": "none"}])
+def test_batched_without_spans_or_zoom_equals_reference(kw):
+    kw = dict(kw)
+    n = kw.pop("n")
+    model, ref, ids, res, store, p, mem, full = _setup("llama", n=n, min_span=8, window=16, **kw)
+    mem2 = _batched(store, p, res)
+    q = torch.randint(0, 300, (1, 3), generator=torch.Generator().manual_seed(5))
+    for step in range(3):
+        x = q if step == 0 else q[:, :1]
+        a = runtime.forward_logits(model, x, mem.n_tokens(), mem)
+        b = runtime.forward_logits(model, x, mem2.n_tokens(), mem2)
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    assert mem2.step_stats().extra["zoom_spans_total"] == 0
