@@ -35,6 +35,9 @@ def train(
     data: str = typer.Option("debian", "--data", help="training text: `debian` (Debian manuals, fetched with apt-get) or a directory of .txt/.md/.html"),
     lr: float = typer.Option(1e-3, "--lr", min=0.0),
     per_context: int = typer.Option(4, "--per-context", min=1, help="training samples drawn from each context"),
+    candidates: int = typer.Option(8, "--candidates", min=1, help="recall samples drawn per context; the --per-context with most far-back teacher attention are kept"),
+    warm_contexts: int = typer.Option(8, "--warm-contexts", min=0, help="stage 1: contexts whose teacher queries/span masses are cached to warm-start W (0: skip)"),
+    warm_steps: int = typer.Option(600, "--warm-steps", min=1, help="stage 1 optimisation steps"),
     seed: int = typer.Option(0, "--seed"),
     save_every: int = typer.Option(25, "--save-every", min=1),
     fresh: bool = typer.Option(False, "--fresh", help="ignore an existing checkpoint at --out and start over"),
@@ -44,7 +47,8 @@ def train(
     from sekv_core import models
     from sekv_core.train.trainer import TrainConfig, Trainer, load_text
 
-    cfg = TrainConfig(steps=steps, contexts=_ints(contexts), lr=lr, per_context=per_context, seed=seed, save_every=save_every)
+    cfg = TrainConfig(steps=steps, contexts=_ints(contexts), lr=lr, per_context=per_context, candidates=max(candidates, per_context), seed=seed,
+                      warm_contexts=warm_contexts, warm_steps=warm_steps, save_every=save_every)
     docs, info = load_text(data)
     err(f"training text: {info['documents']} documents, {info['characters']:,} characters ({info['source']})")
     with model_progress(True) as cb:

@@ -176,3 +176,13 @@ def test_decompose_subspace_path_equals_eigh_path_on_low_rank():
     rb = b[0][..., :12] @ b[2][..., :12, :]
     assert torch.allclose(ra, rb, atol=1e-4)
     assert torch.allclose(a[1][..., :12], b[1][..., :12], rtol=1e-5)
+
+
+def test_no_spans_packs_empty_factors():
+    """A document too short to have spans: int8 and float packing both give empty factors, not a crash."""
+    from sekv_core.sekv import factorize as fzm
+
+    x = torch.zeros(2, 0, 16)
+    for int8 in (True, False):
+        f = fzm.factorize(x, torch.zeros(0, dtype=torch.long), energy=0.99, int8=int8)
+        assert f.rank.shape == (2, 0) and f.us.numel() == 0 and f.vt.numel() == 0

@@ -43,7 +43,7 @@ def lm(tiny_qwen):
 def setup(lm, tmp_path_factory):
     root = write_corpus(tmp_path_factory.mktemp("text"))
     docs = corpus.read_documents(root)
-    cfg = TrainConfig(steps=6, contexts=(600,), per_context=3, candidates=3, save_every=3)
+    cfg = TrainConfig(steps=6, contexts=(600,), per_context=3, candidates=3, save_every=3, warm_contexts=0)
     tr = Trainer(lm, cfg, tmp_path_factory.mktemp("out") / "r.safetensors", docs, {"source": "test"}, log=lambda s: None)
     c = tr.contexts_for(0)[0]
     ctx = tr.prepare(c)
@@ -99,6 +99,14 @@ def test_reconstruction_loss_is_the_gated_frobenius_error():
     assert torch.allclose(losses.reconstruction(sig, g), err, rtol=1e-4)
 
 
+def test_warm_start_ranks_spans_by_teacher_mass():
+    """The listwise loss is minimised by gate logits equal to log mass (+ a constant), and top_mass sees it."""
+    mass = torch.tensor([[0.6, 0.3, 0.1, 0.0001]])
+    assert losses.listwise(mass.log() + 3.0, mass) < 1e-4 < losses.listwise(torch.zeros(1, 4), mass)
+    got, best = losses.top_mass(torch.tensor([[0.0, 5.0, 1.0, 9.0]]), mass, k=2)
+    assert abs(got - 0.3001 / 1.0001) < 1e-5 and abs(best - 0.9 / 1.0001) < 1e-5
+
+
 def test_rho_targets_smallest_set():
     mass = torch.tensor([[0.5, 0.05, 0.3, 0.15], [0.95, 0.02, 0.02, 0.01]])
     y = losses.rho_targets(mass, 0.9)
@@ -144,11 +152,12 @@ def test_cli_train_resume_and_router_file(tiny_qwen, tmp_path):
     out = tmp_path / "r.safetensors"
     runner = CliRunner()
     args = ["train", "--model", str(tiny_qwen), "--data", str(data), "--steps", "4", "--contexts", "512,600",
-            "--per-context", "2", "--save-every", "2", "--out", str(out)]
+            "--per-context", "2", "--save-every", "2", "--warm-contexts", "2", "--warm-steps", "20", "--out", str(out)]
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
-    assert "trainable parameters" in res.output and "step 4/4" in res.output
+    assert "trainable parameters" in res.output and "step 4/4" in res.output and "warm start: teacher span mass" in res.output
     rf = router_file.load(out)
+    assert rf.meta["warm_start"]["samples"] >= 2
     assert rf.meta["steps_done"] == 4 and rf.meta["data"]["source"] == str(data.resolve())
     assert rf.w.shape == (2, 4, 32, 16) and rf.tau.shape == (2, 4)
     lines = (tmp_path / "r.safetensors.log.jsonl").read_text().splitlines()
@@ -206,3 +215,15 @@ def test_ingest_with_trained_router_uses_it(tmp_path, lm, tiny_qwen):
     assert un.memory.router_source == "pack"
     ans = un.ask("amber?", max_new_tokens=3)
     assert ans.stats.generated_tokens >= 1
+
+
+def test_very_short_document_has_no_spans_and_still_answers(tmp_path, lm):
+    from sekv_core.ingest import ingest
+    from sekv_core.session import Session
+
+    doc = tmp_path / "short.txt"
+    doc.write_text("amber basalt cedar.")
+    r = ingest(doc, tmp_path / "short.sekv", lm=lm, method="sekv", params={"min_span": 4000})  # shorter than one span
+    sess = Session.open(r.pack_path, lm=lm)
+    assert sess.memory.n_spans == 0
+    assert sess.ask("cedar?", max_new_tokens=2).stats.generated_tokens >= 1

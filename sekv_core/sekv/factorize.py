@@ -246,6 +246,12 @@ def pack(us_pad: torch.Tensor, vt_pad: torch.Tensor, rank: torch.Tensor, n: torc
     hkv, s, n_max, r_cap = us_pad.shape
     d = vt_pad.shape[-1]
     dev = us_pad.device
+    if s == 0 or n_max == 0 or r_cap == 0:  # no spans (a very short document): empty factors, zero ranks
+        empty = lambda dt: torch.zeros(0, dtype=dt, device=dev)  # noqa: E731
+        rank16 = torch.zeros(hkv, s, dtype=torch.int16, device=dev)
+        if not int8:
+            return Factors(empty(dtype), empty(dtype), rank16)
+        return Factors(empty(torch.int8), empty(torch.int8), rank16, torch.zeros(int(n.sum()) * hkv, dtype=torch.float16, device=dev), empty(torch.float16))
     # boolean selection walks (g, i, row, col) in row-major order: exactly the packed layout
     rows_ok = torch.arange(n_max, device=dev).view(1, 1, -1) < n.to(dev).view(1, -1, 1)  # [1, S, n_max]
     cols_ok = torch.arange(r_cap, device=dev).view(1, 1, -1) < rank.to(dev).unsqueeze(-1)  # [Hkv, S, r_cap]

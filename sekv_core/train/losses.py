@@ -47,6 +47,27 @@ def zoom(logits: torch.Tensor, target: torch.Tensor, pos_weight: float = POS_WEI
     return F.binary_cross_entropy_with_logits(logits.float(), target.float(), pos_weight=pw)
 
 
+def listwise(logits: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """Warm-start ranking loss: KL(teacher span-mass distribution || softmax of the gate logits over spans).
+
+    The gate logit is built to be the log of the attention mass a span would get (sekv/router.py), so
+    matching the teacher's span distribution is its natural calibration; it orders spans the way the
+    budget cap consumes them.
+    """
+    t = mass.float() / mass.float().sum(-1, keepdim=True).clamp_min(1e-30)
+    ls = torch.log_softmax(logits.float(), -1)
+    return (t * (torch.log(t.clamp_min(1e-30)) - ls)).sum(-1).mean()
+
+
+def top_mass(logits: torch.Tensor, mass: torch.Tensor, k: int = 2) -> tuple[float, float]:
+    """(share of the teacher's span mass in the k spans with the highest gate logits, the same for the best k)."""
+    t = mass.float() / mass.float().sum(-1, keepdim=True).clamp_min(1e-30)
+    k = min(k, t.shape[-1])
+    got = t.gather(-1, logits.topk(k, -1).indices).sum(-1).mean()
+    best = t.topk(k, -1).values.sum(-1).mean()
+    return float(got), float(best)
+
+
 def reconstruction(sigma: torch.Tensor, gates: torch.Tensor, relative: bool = False) -> torch.Tensor:
     """sigma, gates [..., R] -> sum (1 - g)^2 sigma^2 (over everything), or that / sum sigma^2."""
     s2 = sigma.float() ** 2

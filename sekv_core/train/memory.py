@@ -119,10 +119,11 @@ def span_mass(probs_doc: torch.Tensor, ctx: CompressedContext) -> torch.Tensor:
 class TeacherMemory:
     """Full-KV attention; records span mass [L] x [H, m, S] and far-back mass."""
 
-    def __init__(self, ctx: CompressedContext, far_window: int = 512):
-        self.ctx, self.far_window = ctx, far_window
+    def __init__(self, ctx: CompressedContext, far_window: int = 512, keep_queries: bool = False):
+        self.ctx, self.far_window, self.keep_queries = ctx, far_window, keep_queries
         self.mass: dict[int, torch.Tensor] = {}
         self.far: dict[int, float] = {}
+        self.queries: dict[int, torch.Tensor] = {}  # [H, m, d] float16, with keep_queries (warm start)
 
     def attend(self, layer, query, key, value, scaling):
         ctx = self.ctx
@@ -142,6 +143,8 @@ class TeacherMemory:
         pd = p[..., :n].reshape(h, m, n)
         self.mass[layer] = span_mass(pd, ctx)
         self.far[layer] = float(pd[..., : max(0, n - self.far_window)].sum(-1).mean())
+        if self.keep_queries:
+            self.queries[layer] = q.to(torch.float16)
         return out.unsqueeze(0).to(query.dtype)
 
 

@@ -62,6 +62,10 @@ class TrainConfig:
     rank: int = 32
     seed: int = 0
     save_every: int = 25
+    warm_contexts: int = 8  # stage 1 (0: skip): contexts whose teacher queries and span masses are cached
+    warm_per_context: int = 12
+    warm_steps: int = 600
+    warm_lr: float = 3e-3
     loss_weights: dict[str, float] = field(default_factory=lambda: dict(losses.WEIGHTS))
 
     def to_json(self) -> dict[str, Any]:
@@ -123,6 +127,7 @@ class Trainer:
         self.opt: torch.optim.Optimizer | None = None
         self.step = 0
         self.history: list[dict[str, float]] = []
+        self.warm: dict[str, float] = {}
 
     # -- schedule -----------------------------------------------------------------------------------------
     def stage_of(self, step: int) -> int:
@@ -178,8 +183,73 @@ class Trainer:
             s["step"] = torch.tensor(float(self.step))
             s["exp_avg"], s["exp_avg_sq"] = st[f"m.{i}"], st[f"v.{i}"]
         self.history = list(rf.meta.get("history", []))
+        self.warm = dict(rf.meta.get("warm_start", {}))
         self.log(f"resumed from {self.out} at step {self.step}")
         return True
+
+    def warm_start(self) -> dict[str, float]:
+        """Stage 1: fit W on cached teacher queries and span masses (zoom BCE + listwise span-mass KL).
+
+        Each sample needs one cheap teacher forward and no student forward, so hundreds of optimisation
+        steps cost less than one end-to-end step; the end-to-end stage then starts from a router that
+        already ranks spans.  Reports the teacher span mass in the top-2 gated spans on held-out samples.
+        """
+        cfg, L = self.cfg, self.shape.n_layers
+        cs = corpus.contexts(self.lm.tokenizer, self.docs, cfg.contexts[0], cfg.warm_contexts, cfg.seed + 555)
+        doc_start = len(prompt.encode(self.lm.tokenizer, prompt.document_prefix(self.lm.tokenizer, "")))
+        data = []
+        for ci, c in enumerate(cs):
+            ctx = self.prepare(c)
+            if self.router is None:
+                self.start(ctx)
+                self.report_size()
+            rng = random.Random(cfg.seed * 31 + ci)
+            kb, log_n = [lay.kbar for lay in ctx.layers], ctx.span_len.float().log()
+            for _ in range(cfg.warm_per_context):
+                smp = recall_sample(self.lm.tokenizer, c.doc_ids, doc_start, ctx.window, rng)
+                if smp is None:
+                    continue
+                mem = TeacherMemory(ctx, far_window=max(ctx.window, 64), keep_queries=True)
+                with torch.no_grad():
+                    _decoder_forward(self.model, smp.ids, ctx.n_tokens, mem, grad=False)
+                data.append((kb, log_n, [mem.queries[i] for i in range(L)], [mem.mass[i] for i in range(L)]))
+            self.log(f"warm start: context {ci + 1}/{len(cs)}, {len(data)} samples")
+            del ctx
+        if len(data) < 2:
+            raise SekvError("warm start: not enough training samples")
+        n_held = max(1, len(data) // 5)
+        held, train = data[:n_held], data[n_held:]
+        r = self.router
+
+        def evaluate() -> tuple[float, float]:
+            got = best = 0.0
+            with torch.no_grad():
+                for kb, log_n, qs, ms in held:
+                    for i in range(L):
+                        g, b = losses.top_mass(r.gate_logits(i, qs[i].float(), kb[i], log_n), ms[i])
+                        got, best = got + g, best + b
+            k = len(held) * L
+            return got / k, best / k
+
+        before, oracle = evaluate()
+        opt = torch.optim.AdamW([r.w], lr=cfg.warm_lr, weight_decay=cfg.weight_decay)
+        rng = random.Random(cfg.seed + 99)
+        for it in range(cfg.warm_steps):
+            kb, log_n, qs, ms = train[rng.randrange(len(train))]
+            opt.zero_grad(set_to_none=True)
+            loss = 0.0
+            for i in range(L):
+                lg = r.gate_logits(i, qs[i].float(), kb[i], log_n)
+                loss = loss + losses.zoom(lg, losses.rho_targets(ms[i])) + losses.listwise(lg, ms[i])
+            (loss / L).backward()
+            torch.nn.utils.clip_grad_norm_([r.w], 1.0)
+            opt.step()
+        after, _ = evaluate()
+        out = {"samples": len(data), "held_out": n_held, "steps": cfg.warm_steps,
+               "top2_mass_before": round(before, 4), "top2_mass_after": round(after, 4), "top2_mass_oracle": round(oracle, 4)}
+        self.log(f"warm start: teacher span mass in the top-2 gated spans (held out): {before:.3f} -> {after:.3f} (best possible {oracle:.3f})")
+        self.warm = out
+        return out
 
     def start(self, first: CompressedContext) -> None:
         self.router = init_router(self.shape, first, self.cfg)
@@ -247,6 +317,7 @@ class Trainer:
             "metrics_last_20_steps": metrics,
             "history": self.history,
             "trainable_parameters": n_params(r),
+            "warm_start": self.warm,
         }
         rf = router_file.RouterFile(r.w.detach(), torch.sigmoid(r.tau_logit.detach()), r.gate, meta)
         router_file.save(self.out, rf)
@@ -267,8 +338,16 @@ class Trainer:
         self.out.parent.mkdir(parents=True, exist_ok=True)
         if resume and self.resume():
             self.report_size()
-        elif log_path.exists():
-            log_path.unlink()
+            if log_path.exists():  # drop the steps after the checkpoint: they are about to be redone
+                keep = [ln for ln in log_path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] < self.step]
+                log_path.write_text("".join(ln + "\n" for ln in keep))
+            self.history = self.history[: self.step]
+        else:
+            if log_path.exists():
+                log_path.unlink()
+            if cfg.warm_contexts > 0:
+                self.warm_start()
+                self.save()
         planned = 0  # steps planned before the current context
         for stage in range(len(cfg.contexts)):
             stage_steps = [s for s in range(cfg.steps) if self.stage_of(s) == stage]
