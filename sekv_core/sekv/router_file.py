@@ -65,6 +65,7 @@ def save(path: str | Path, rf: RouterFile) -> Path:
         save_file(rf.tensors(), tmp, metadata={META_KEY: json.dumps(meta)})
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a router file is shared like a model file
         os.replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)
