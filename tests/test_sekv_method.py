@@ -25,6 +25,7 @@ EXACT = {
     "factor_dtype": "float32",
     "min_span": 8,
     "window": 16,
+    "router": "untrained",  # a trained rank gate would drop components: exactness needs every one
 }
 STAT_KEYS = {"zoom_spans_step", "zoom_spans_total", "h2d_bytes_step", "h2d_bytes_total", "zoom_rate_per_layer", "span_zoom_counts", "budget_bytes"}
 

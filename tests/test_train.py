@@ -227,3 +227,12 @@ def test_very_short_document_has_no_spans_and_still_answers(tmp_path, lm):
     sess = Session.open(r.pack_path, lm=lm)
     assert sess.memory.n_spans == 0
     assert sess.ask("cedar?", max_new_tokens=2).stats.generated_tokens >= 1
+
+
+def test_rank_gate_beyond_its_rank_keeps_components():
+    gate = RankGate(4, 8)
+    with torch.no_grad():
+        gate.net[2].bias.fill_(-30.0)  # drop everything it has an opinion on
+    sig = torch.rand(2, 3, 6).sort(-1, descending=True).values
+    g = gate(sig, torch.randn(2, 3, 8), torch.tensor([8, 9, 10]), False, 0.5)
+    assert g.shape == (2, 3, 6) and bool((g[..., :4] < 1e-6).all()) and bool((g[..., 4:] == 1).all())

@@ -53,9 +53,16 @@ class RankGate(nn.Module):
         return torch.cat([shape, unit.float(), extra], -1)
 
     def forward(self, sigma, summary, span_len, is_value: bool, depth: float) -> torch.Tensor:
-        """Gate probabilities [..., S, r] for the first r = sigma.shape[-1] components."""
+        """Gate probabilities [..., S, r] for the r = sigma.shape[-1] components.
+
+        Components past the gate's own rank R (a pack asking for rank_max > R) get probability 1: G has
+        no opinion on them and the energy rule decides alone."""
         r = sigma.shape[-1]
-        return torch.sigmoid(self.net(self.features(sigma.float(), summary, span_len, is_value, depth)))[..., :r]
+        head = sigma[..., : self.rank].float()
+        g = torch.sigmoid(self.net(self.features(head, summary, span_len, is_value, depth)))[..., : min(r, self.rank)]
+        if r > self.rank:
+            g = torch.cat([g, g.new_ones(*g.shape[:-1], r - self.rank)], -1)
+        return g
 
     def keep(self, summary: torch.Tensor, span_len: torch.Tensor, is_value: bool, depth: float):
         """The ingest-time decision as factorize's ``keep`` callable: sigma [Hkv, S, r] -> bool [Hkv, S, r]."""
