@@ -68,8 +68,9 @@ class RankGate(nn.Module):
         """The ingest-time decision as factorize's ``keep`` callable: sigma [Hkv, S, r] -> bool [Hkv, S, r]."""
 
         def decide(sigma: torch.Tensor) -> torch.Tensor:
+            gate = self.to(sigma.device)
             with torch.no_grad():
-                return self(sigma, summary.to(sigma.device), span_len, is_value, depth) > 0.5
+                return gate(sigma, summary.to(sigma.device), span_len, is_value, depth) > 0.5
 
         return decide
 

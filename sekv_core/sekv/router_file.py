@@ -50,8 +50,8 @@ class RouterFile:
         return str(self.meta.get("model", {}).get("fingerprint", ""))
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {"w": self.w.detach().float().contiguous(), "tau": self.tau.detach().float().contiguous()}
-        out.update({f"gate.{k}": v.detach().float().contiguous() for k, v in self.gate.state_dict().items()})
+        out = {"w": self.w.detach().float().cpu().contiguous(), "tau": self.tau.detach().float().cpu().contiguous()}
+        out.update({f"gate.{k}": v.detach().float().cpu().contiguous() for k, v in self.gate.state_dict().items()})
         return out
 
 

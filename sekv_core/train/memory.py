@@ -88,17 +88,20 @@ def compress_context(prefill: PrefillResult, seg, *, weighting: str = "surprisal
     ctx = CompressedContext(
         prefill.n_tokens, prefill.keys, prefill.values, seg.full_idx, seg.span_start, n, pos, sid, row_valid, cos, sin, 0
     )
+    dev = prefill.keys[0].device
+    pos_d, sid_d, w_d = pos.to(dev), sid.to(dev), w.to(dev)
+    if pre:
+        cpos, spos = cpos.to(dev), spos.to(dev)
     with torch.no_grad(), fz.single_thread():
         for li in range(shape.n_layers):
             k, v = prefill.keys[li].float(), prefill.values[li].float()
-            kx = k[:, pos]
+            kx = k[:, pos_d]
             if pre:
                 kx = rope.undo(kx, cpos, spos)
             us_k, sig_k, vt_k = fz.decompose_spans(kx, n, rank)
-            us_v, sig_v, vt_v = fz.decompose_spans(v[:, pos], n, rank)
-            ctx.layers.append(
-                LayerData(weighted_means(k, pos, sid, w, S), weighted_means(v, pos, sid, w, S), us_k, sig_k, vt_k, us_v, sig_v, vt_v)
-            )
+            us_v, sig_v, vt_v = fz.decompose_spans(v[:, pos_d], n, rank)
+            kbar, vbar = (weighted_means(x, pos_d, sid_d, w_d, S).to(dev) for x in (k, v))
+            ctx.layers.append(LayerData(kbar, vbar, us_k, sig_k, vt_k, us_v, sig_v, vt_v))
     return ctx
 
 

@@ -100,7 +100,7 @@ def init_router(shape: ModelShape, ctx: CompressedContext, cfg: TrainConfig) -> 
     g = shape.n_heads // shape.n_kv_heads
     w = torch.stack([rt.pca_init(ctx.keys[i].float(), cfg.d_r, ctx.layers[i].kbar).repeat_interleave(g, 0) for i in range(shape.n_layers)])
     tau = torch.full((shape.n_layers, shape.n_heads), cfg.tau_init)
-    return RouterParams(w, tau, RankGate(cfg.rank, shape.head_dim))
+    return RouterParams(w, tau, RankGate(cfg.rank, shape.head_dim)).to(w.device)
 
 
 def _decoder_forward(model, ids: list[int], start: int, memory, grad: bool) -> torch.Tensor:
@@ -174,14 +174,15 @@ class Trainer:
         rf = router_file.load(self.out)
         if rf.fingerprint != self.lm.fingerprint:
             raise SekvError(f"{self.out} was trained for another model; choose another --out")
-        self.router = RouterParams(rf.w, rf.tau, rf.gate.train().requires_grad_(True))
+        dev = next(self.model.parameters()).device
+        self.router = RouterParams(rf.w, rf.tau, rf.gate.train().requires_grad_(True)).to(dev)
         self._make_opt()
         st = load_file(str(self.state_path()))
         self.step = int(st.pop("step").item())
         for i, p in enumerate(self.router.parameters()):
             s = self.opt.state[p]
             s["step"] = torch.tensor(float(self.step))
-            s["exp_avg"], s["exp_avg_sq"] = st[f"m.{i}"], st[f"v.{i}"]
+            s["exp_avg"], s["exp_avg_sq"] = st[f"m.{i}"].to(p.device), st[f"v.{i}"].to(p.device)
         self.history = list(rf.meta.get("history", []))
         self.warm = dict(rf.meta.get("warm_start", {}))
         self.log(f"resumed from {self.out} at step {self.step}")
@@ -204,7 +205,7 @@ class Trainer:
                 self.start(ctx)
                 self.report_size()
             rng = random.Random(cfg.seed * 31 + ci)
-            kb, log_n = [lay.kbar for lay in ctx.layers], ctx.span_len.float().log()
+            kb, log_n = [lay.kbar for lay in ctx.layers], ctx.span_len.float().log().to(ctx.layers[0].kbar.device)
             for _ in range(cfg.warm_per_context):
                 smp = recall_sample(self.lm.tokenizer, c.doc_ids, doc_start, ctx.window, rng)
                 if smp is None:
@@ -324,8 +325,8 @@ class Trainer:
         st = {"step": torch.tensor(self.step)}
         for i, p in enumerate(r.parameters()):
             s = self.opt.state.get(p, {})
-            st[f"m.{i}"] = s.get("exp_avg", torch.zeros_like(p)).detach().contiguous()
-            st[f"v.{i}"] = s.get("exp_avg_sq", torch.zeros_like(p)).detach().contiguous()
+            st[f"m.{i}"] = s.get("exp_avg", torch.zeros_like(p)).detach().cpu().contiguous()
+            st[f"v.{i}"] = s.get("exp_avg_sq", torch.zeros_like(p)).detach().cpu().contiguous()
         state = self.out.with_name(self.out.name + ".state.safetensors")
         tmp = state.with_name(state.name + ".tmp")
         save_file(st, str(tmp))
