@@ -207,6 +207,9 @@ def test_ingest_with_trained_router_uses_it(tmp_path, lm, tiny_qwen):
     assert r.params["router"] == str(rpath.resolve()) and len(r.params["router_sha256"]) == 64
     sess = Session.open(r.pack_path, lm=lm)
     assert sess.memory.router_source == "trained"
+    from sekv_core import methods
+
+    assert methods.get("sekv").describe(sess.pack, sess.pack.params)["router"] == "trained: r.safetensors"
     ranks = sess.pack.get("sekv.fk.0.rank")
     lens = (sess.pack.get("sekv.span_end") - sess.pack.get("sekv.span_start")).view(1, -1)
     assert torch.equal(ranks.long(), torch.minimum(torch.full_like(ranks.long(), 2), lens))

@@ -623,6 +623,7 @@ class SekvMethod(CacheMethod):
             "anchors": int(store.get("sekv.anchor_idx").numel()),
             "window": cfg["window"],
             "key_space": "pre_rope" if int(store.get("sekv.key_space")[0]) else "post_rope",
+            "router": ("trained: " + Path(str(params.get("router", ""))).name) if "sekv.router.tw.0" in set(store.keys()) else "untrained",
             "effective_rank_histogram": hist,
             "pack_tensor_bytes": int(tensor_bytes),
             "raw_kv_fp16_bytes": int(raw),
