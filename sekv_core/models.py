@@ -311,7 +311,7 @@ def load(model: str = DEFAULT_MODEL, device: str | None = None, dtype=None, prog
     m.to(device).eval().requires_grad_(False)
     runtime.install(m)
     fp = _weights_fingerprint(where) if local else hashlib.sha256(json.dumps(m.config.to_dict(), sort_keys=True).encode()).hexdigest()
-    m.sekv_fingerprint = fp  # read by prefill(): methods that pick model-specific files (trained routers) need it
+    m.sekv_fingerprint, m.sekv_model_id = fp, model_id  # read by prefill(): methods that pick model-specific files need them
     return LoadedModel(m, tok, model_id, fp, tokenizer_fingerprint(tok), where if local else Path(str(where)))
 
 

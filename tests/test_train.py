@@ -183,6 +183,11 @@ def test_router_file_checks(tmp_path, lm):
         router_file.resolve(str(p), "other", shape)
     assert router_file.resolve(str(p), "abc", shape) == str(p.resolve())
     assert router_file.resolve("auto", "no-such-model", shape) == "untrained"
+    # a shipped router for an embedded model matches another install of it (fingerprints differ by config.json)
+    qwen = type("S", (), {"n_layers": 24, "n_heads": 14, "head_dim": 64})()
+    assert router_file.resolve("auto", "another-install", qwen, "qwen2.5-0.5b").endswith("qwen2.5-0.5b.safetensors")
+    assert router_file.resolve("auto", "another-install", shape, "qwen2.5-0.5b") == "untrained"  # shape differs
+    assert router_file.resolve("auto", "another-install", qwen, "/some/dir") == "untrained"  # not embedded
     (tmp_path / "junk.safetensors").write_bytes(b"not a file")
     with pytest.raises(SekvError, match="router"):
         router_file.resolve(str(tmp_path / "junk.safetensors"), "abc", shape)

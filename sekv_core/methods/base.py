@@ -87,6 +87,8 @@ class PrefillResult:
     scores: dict[str, Any] = field(default_factory=dict)
     #: fingerprint of the model that made the prefill (sekv_core.models), "" when unknown
     model_fingerprint: str = ""
+    #: the model's id (an embedded model's name, or a path), "" when unknown
+    model_id: str = ""
 
     @property
     def n_tokens(self) -> int:

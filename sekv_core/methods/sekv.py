@@ -585,7 +585,7 @@ class SekvMethod(CacheMethod):
         """Resolve ``router`` for this model (in place, so the manifest records it); the file or None."""
         from ..sekv import router_file
 
-        spec = router_file.resolve(params.get("router", "auto"), prefill.model_fingerprint, shape)
+        spec = router_file.resolve(params.get("router", "auto"), prefill.model_fingerprint, shape, prefill.model_id)
         params["router"] = spec
         if spec == "untrained":
             params["router_sha256"] = ""

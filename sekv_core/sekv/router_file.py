@@ -106,33 +106,53 @@ def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def builtin(fingerprint: str) -> Path | None:
-    """The shipped router trained for this model fingerprint, if any."""
+def _same_model(meta: dict[str, Any], fingerprint: str, model_id: str, shape) -> bool:
+    """The file was trained for this model: same fingerprint, or the same *embedded* model.
+
+    An embedded model name always means the same sha256-checked GGUF, but its converted directory's
+    fingerprint also hashes config.json as the installed transformers writes it (its version string,
+    formatting), so two installs of one embedded model can differ there; the attention shape must match.
+    """
+    from ..models import EMBEDDED
+
+    m = meta.get("model", {})
+    if fingerprint and m.get("fingerprint") == fingerprint:
+        return True
+    if not model_id or model_id not in EMBEDDED or m.get("id") != model_id:
+        return False
+    sh = m.get("shape") or {}
+    want = {"layers": shape.n_layers, "heads": shape.n_heads, "head_dim": shape.head_dim}
+    return all(int(sh.get(k, -1)) == v for k, v in want.items())
+
+
+def builtin(fingerprint: str, model_id: str = "", shape=None) -> Path | None:
+    """The shipped router trained for this model, if any."""
     if not BUILTIN_DIR.is_dir():
         return None
     for p in sorted(BUILTIN_DIR.glob("*.safetensors")):
         try:
-            if read_meta(p).get("model", {}).get("fingerprint") == fingerprint:
-                return p
+            meta = read_meta(p)
         except SekvError:
             continue
+        if meta.get("model", {}).get("fingerprint") == fingerprint or (shape is not None and _same_model(meta, fingerprint, model_id, shape)):
+            return p
     return None
 
 
-def resolve(spec: str, fingerprint: str, shape) -> str:
+def resolve(spec: str, fingerprint: str, shape, model_id: str = "") -> str:
     """``router`` parameter -> "untrained" or an absolute path checked against the model."""
     spec = str(spec or "auto")
     if spec == "untrained":
         return spec
     if spec == "auto":
-        p = builtin(fingerprint)
+        p = builtin(fingerprint, model_id, shape)
         return str(p) if p else "untrained"
     p = Path(spec).expanduser()
     rf_meta = read_meta(p) if p.is_file() else None
     if rf_meta is None:
         raise SekvError(f"--router: {spec} is neither 'auto', 'untrained' nor a router file")
     fp = rf_meta.get("model", {}).get("fingerprint")
-    if fp and fingerprint and fp != fingerprint:
+    if fp and fingerprint and not _same_model(rf_meta, fingerprint, model_id, shape):
         raise SekvError(f"--router: {p.name} was trained for model {rf_meta['model'].get('id')!r}, not the one in use")
     sh = rf_meta.get("model", {}).get("shape") or {}
     want = {"layers": shape.n_layers, "heads": shape.n_heads, "head_dim": shape.head_dim}
