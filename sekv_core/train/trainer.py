@@ -388,7 +388,8 @@ class Trainer:
                     if self.step % cfg.save_every == 0:
                         self.save()
                 planned += n_here
-                self.step = max(self.step, min(planned, cfg.steps)) if len(scored) < n_here else self.step
+                if len(scored) < n_here:  # fewer usable samples than planned: skip their steps, keep the schedule aligned
+                    self.step = max(self.step, min(planned, cfg.steps))
         if self.router is None:
             raise SekvError("no training step ran (no usable training context)")
         self.save()
