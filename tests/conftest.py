@@ -88,3 +88,12 @@ def smollm2():
     from sekv_core import models
 
     return models.load("smollm2-135m", device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def haystack(tmp_path_factory) -> Path:
+    """A small haystack folder (the sample documents), independent of shared/."""
+    d = tmp_path_factory.mktemp("haystack")
+    for p in sorted((ROOT / "sample_docs").glob("*.md")):
+        (d / f"{p.stem}.txt").write_text(p.read_text())
+    return d

@@ -6,7 +6,6 @@ import importlib.util
 import json
 import re
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,13 +27,6 @@ HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 # fixtures
 
 
-@pytest.fixture(scope="module")
-def haystack(tmp_path_factory) -> Path:
-    """A small haystack folder (the sample documents), independent of shared/."""
-    d = tmp_path_factory.mktemp("haystack")
-    for p in sorted((ROOT / "sample_docs").glob("*.md")):
-        (d / f"{p.stem}.txt").write_text(p.read_text())
-    return d
 
 
 @pytest.fixture(scope="module")

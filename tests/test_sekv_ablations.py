@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import math
 import random
-from pathlib import Path
 
 import pytest
 import torch
 import transformers
 from typer.testing import CliRunner
 
-from conftest import ROOT
 from sekv_cli.app import app
 from sekv_core import methods, runtime
 from sekv_core.bench import runner, variants
@@ -218,13 +216,6 @@ def test_variant_specs():
     assert specs == [f"sekv:{a}" for a in RUNNABLE]
     assert variants.expand_ablations("no-svd,global-tau") == ["sekv:no-svd", "sekv:global-tau"]
 
-
-@pytest.fixture(scope="module")
-def haystack(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("haystack")
-    for p in sorted((ROOT / "sample_docs").glob("*.md")):
-        (d / f"{p.stem}.txt").write_text(p.read_text())
-    return d
 
 
 def test_bench_rows_and_summary_carry_the_variant(tiny_qwen, haystack, tmp_path):

@@ -18,20 +18,25 @@ def _batched(store, p, res):
     return mem
 
 
+def _agree(model, q, m1, m2, tol, rtol):
+    """Same logits from two memories on the prompt q and then three greedy steps."""
+    a = runtime.forward_logits(model, q, m1.n_tokens(), m1, last_only=False)
+    b = runtime.forward_logits(model, q, m2.n_tokens(), m2, last_only=False)
+    assert torch.allclose(a, b, atol=tol, rtol=rtol), (a - b).abs().max()
+    for _ in range(3):
+        nxt = b[:, -1:].argmax(-1)
+        a = runtime.forward_logits(model, nxt, m1.n_tokens(), m1)
+        b = runtime.forward_logits(model, nxt, m2.n_tokens(), m2)
+        assert torch.allclose(a, b, atol=tol, rtol=rtol), (a - b).abs().max()
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 @pytest.mark.parametrize("key_space", ["pre_rope", "post_rope"])
 def test_batched_full_expansion_equals_full_kv(kind, key_space):
     model, ref, ids, res, store, p, mem, full = _setup(kind, key_space=key_space, **EXACT)
     mem = _batched(store, p, res)
     q = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(2))
-    a = runtime.forward_logits(model, q, mem.n_tokens(), mem, last_only=False)
-    b = runtime.forward_logits(model, q, full.n_tokens(), full, last_only=False)
-    assert torch.allclose(a, b, atol=2e-4, rtol=1e-4), (a - b).abs().max()
-    for _ in range(3):
-        nxt = b[:, -1:].argmax(-1)
-        a = runtime.forward_logits(model, nxt, mem.n_tokens(), mem)
-        b = runtime.forward_logits(model, nxt, full.n_tokens(), full)
-        assert torch.allclose(a, b, atol=2e-4, rtol=1e-4)
+    _agree(model, q, mem, full, tol=2e-4, rtol=1e-4)
     st = mem.step_stats().extra
     assert st["zoom_spans_step"] == mem.n_spans and st["zoom_rate_per_layer"] == [1.0, 1.0]
 
@@ -59,14 +64,7 @@ def test_batched_step_equals_reference_step_under_the_cap(monkeypatch, extra):
     model, ref, ids, res, store, p, mem, full = _setup("llama", n=600, budget=0.5, min_span=10, **extra)
     mem2 = _batched(store, p, res)
     q = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(3))
-    a = runtime.forward_logits(model, q, mem.n_tokens(), mem, last_only=False)
-    b = runtime.forward_logits(model, q, mem2.n_tokens(), mem2, last_only=False)
-    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
-    for _ in range(3):
-        nxt = a[:, -1:].argmax(-1)
-        a = runtime.forward_logits(model, nxt, mem.n_tokens(), mem)
-        b = runtime.forward_logits(model, nxt, mem2.n_tokens(), mem2)
-        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
+    _agree(model, q, mem, mem2, tol=1e-5, rtol=1e-5)
     x, y = mem.step_stats().extra, mem2.step_stats().extra
     assert 0 < x["zoom_spans_total"] < mem.n_spans  # the cap binds
     for k in ("zoom_spans_step", "zoom_spans_total", "span_zoom_counts", "budget_bytes"):
