@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 import sys
 
+# tqdm reads this when it is imported (the commands' imports pull it in): third-party bars such as the
+# GGUF conversion's stay off; sekv's own progress is Rich
+os.environ.setdefault("TQDM_DISABLE", "1")
+
 import typer
 
 app = typer.Typer(
