@@ -211,3 +211,30 @@ def test_cuda_path_matches_cpu():
             assert torch.allclose(a, b, atol=1e-3, rtol=1e-3)
         x, y = mem.step_stats().extra, gmem.step_stats().extra
         assert x["zoom_spans_total"] == y["zoom_spans_total"] and x["h2d_bytes_total"] == y["h2d_bytes_total"]
+
+
+def test_route_hook_replaces_the_routing():
+    """The diagnostic hook (benchmarks/route_diagnosis.py) decides what is kept: a forced span is kept in every
+    layer, and a hook that rejects every span gives exactly the no-zoom memory's logits."""
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.5, min_span=10, window=16)
+    target = mem.n_spans // 2
+    calls = []
+
+    def force(layer, cand, prio):
+        calls.append((layer, tuple(cand.shape), tuple(prio.shape)))
+        cand, prio = cand.clone(), prio.clone()
+        cand[:, target], prio[:, target] = True, 1e4
+        return cand, prio
+
+    mem.route_hook = force
+    q = torch.randint(0, 300, (1, 5), generator=torch.Generator().manual_seed(3))
+    runtime.forward_logits(model, q, mem.n_tokens(), mem)
+    assert calls == [(l, (4, mem.n_spans), (2, mem.n_spans)) for l in range(2)]
+    assert all(mem._held[l] is not None and bool(mem._held[l][0][:, target].all()) for l in range(2))
+
+    mem.truncate(600)
+    mem.route_hook = lambda layer, cand, prio: (torch.zeros_like(cand), torch.full_like(prio, float("-inf")))
+    a = runtime.forward_logits(model, q, mem.n_tokens(), mem)
+    none = methods.get("sekv").open(store, {**p, "zoom": "none"}, res.shape, "cpu")
+    b = runtime.forward_logits(model, q, none.n_tokens(), none)
+    assert torch.equal(a, b)

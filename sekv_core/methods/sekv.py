@@ -143,6 +143,8 @@ class SekvMemory(KVMemory):
         self.budget = None if budget <= 0 or budget >= 1 else budget
         self.head_masks = bool(params.get("head_masks", True))
         self.zoom = params.get("zoom", "router")
+        #: CPU reference step only: (layer, head candidates [H, S], group priority [Hkv, S]) -> the same, replaced
+        self.route_hook = None
         if self.zoom not in _ZOOMS:
             raise SekvError(f"sekv: zoom must be one of {', '.join(_ZOOMS)}, not {self.zoom!r}")
         self._reset_ask()
@@ -265,6 +267,8 @@ class SekvMemory(KVMemory):
             kbar = self.kv.k[layer][0, :, self.n_full : self.n_base]
             logits = router.gate_logits(query[0], self.w[layer], kbar, self.inv_norm[layer], self.log_n)
             cand, prio = route(logits, self.logit_tau[layer], hkv)
+            if self.route_hook is not None:  # diagnostics (benchmarks/route_diagnosis.py): replace the routing
+                cand, prio = self.route_hook(layer, cand, prio)
             keep = select(prio, self.cost, self._cap)
             expanded = keep.unsqueeze(1).expand(hkv, H // hkv, S).reshape(H, S)
             if self.head_masks:  # SPEC §2.6: each head sees the tokens only of spans it wanted itself
