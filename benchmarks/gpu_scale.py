@@ -209,6 +209,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=0, help="prefill chunk (0: the whole document in one forward, like the plain prefill)")
     ap.add_argument("--pin-arena", action="store_true", help="sekv: page-lock the pack's host memory during the prefill (docs/gpu.md)")
+    ap.add_argument("--prefault-arena", action="store_true", help="sekv: allocate the pack's host memory and touch every page during the prefill")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
@@ -229,7 +230,8 @@ def main() -> None:
         shape = ModelShape.of(model.config, torch.bfloat16)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         for n in contexts:
-            row = {"config": cname, "context": n, "budget": a.budget, "zoom_rate": a.zoom_rate, "weights_bytes": weights}
+            row = {"config": cname, "context": n, "budget": a.budget, "zoom_rate": a.zoom_rate, "weights_bytes": weights,
+                   "host_arena": "pinned" if a.pin_arena else "prefault" if a.prefault_arena else "none"}
             ids = torch.randint(100, 20000, (1, n), device="cuda")
             try:
                 row["plain_prefill_s"] = plain_prefill_s(model, ids)
@@ -258,8 +260,8 @@ def main() -> None:
                 params = method.resolve_params({"budget": a.budget})
                 torch.cuda.synchronize()
                 t = time.perf_counter()
-                if a.pin_arena:  # page-lock the pack's host memory in the background while the prefill runs
-                    method.reserve_host(n, shape, params)
+                if a.pin_arena or a.prefault_arena:  # prepare the pack's host memory in the background while the prefill runs
+                    method.reserve_host(n, shape, params, pinned=a.pin_arena)
                 res = prefill(model, ids[0], with_surprisal=True, chunk=a.chunk or n)
                 torch.cuda.synchronize()
                 t_pre = time.perf_counter() - t

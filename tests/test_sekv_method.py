@@ -238,3 +238,45 @@ def test_route_hook_replaces_the_routing():
     none = methods.get("sekv").open(store, {**p, "zoom": "none"}, res.shape, "cpu")
     b = runtime.forward_logits(model, q, none.n_tokens(), none)
     assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_host_copies_with_every_arena():
+    """compress() moves its GPU results to the host three ways (worker-thread copies into fresh memory, DMA into
+    a page-locked arena, worker-thread copies into a pre-faulted arena; what does not fit an arena falls back
+    to fresh memory): each gives exactly `.cpu()` of the tensors, submitted layer by layer."""
+    from sekv_core.methods.sekv import _HostCopies
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dev = torch.device("cuda")
+    arenas = {"none": None, "pinned": torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True),
+              "prefault": torch.zeros(1 << 20, dtype=torch.uint8), "too small": torch.zeros(3000, dtype=torch.uint8)}
+    for name, arena in arenas.items():
+        copies, out, ref = _HostCopies(dev, arena), {}, {}
+        for layer in range(4):
+            copies.submit(out)
+            x = torch.randn(300, 7, device=dev, generator=g)
+            out[f"a.{layer}"] = x.to(torch.bfloat16)
+            out[f"b.{layer}"] = (x * 50).to(torch.int8)
+            out[f"c.{layer}"] = x.t()  # not contiguous
+            out[f"d.{layer}"] = torch.arange(layer * 5, dtype=torch.long)  # already on the host
+            ref.update({k: out[k].cpu() for k in (f"a.{layer}", f"b.{layer}", f"c.{layer}", f"d.{layer}")})
+        host = copies.finish(out)
+        assert set(host) == set(ref), name
+        assert all(host[k].device.type == "cpu" and host[k].dtype == ref[k].dtype and torch.equal(host[k], ref[k]) for k in ref), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_compress_with_a_prefaulted_arena():
+    model = tiny("qwen2").cuda()
+    runtime.install(model)
+    ids = torch.randint(0, 300, (700,), generator=torch.Generator().manual_seed(1))
+    res = prefill(model, ids, with_surprisal=True, chunk=256)
+    m = methods.get("sekv")
+    p = m.resolve_params({"budget": 0.2, "min_span": 10})
+    ref = m.compress(res, dict(p))
+    m.reserve_host(res.n_tokens, res.shape, p)
+    got = m.compress(res, dict(p))
+    assert set(got) == set(ref)
+    assert all(got[k].device.type == "cpu" and got[k].shape == ref[k].shape and got[k].dtype == ref[k].dtype for k in ref)
+    assert all(torch.equal(got[k], ref[k]) for k in ref if k.startswith(("sekv.full.", "sekv.span_", "sekv.anchor")))
