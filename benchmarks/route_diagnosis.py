@@ -22,6 +22,14 @@ per-layer mass (max over the group's heads and the question tokens).
         --out docs/bench/route-diagnosis-qwen2.5-0.5b.json
 
 CPU, about 1.5 min per 4K context on 2 cores.  Results: docs/sekv.md ("Why sekv loses needles at 10 %").
+
+``--profile-weights 0,0.5,0.75,1`` instead ranks the needle's span under scout routing's rule
+(docs/sekv.md §7c) for each weight lambda: per layer, the teacher's span masses (exact keys) for the
+scout pass's question queries and for the document end's 32 queries, max over heads and tokens,
+z-scored; rank = sum(question) - lambda * sum(document end).  Per context and budget (--budgets):
+
+    python benchmarks/route_diagnosis.py --length 4096 --depths 0,25,50,75 --budgets 0.05,0.1,0.2 \
+        --profile-weights 0,0.5,0.75,1 --seed 0
 """
 
 from __future__ import annotations
@@ -76,7 +84,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile-weights", default=None, help="comma-separated lambdas: scout ranking mode (see above)")
+    ap.add_argument("--budgets", default=None, help="scout ranking mode: comma-separated budgets (default --budget)")
     a = ap.parse_args()
+    if a.profile_weights:
+        return profile_weight_ranks(a)
     torch.set_num_threads(a.threads)
     lm = models.load(a.model, device="cpu")
     model, tok = lm.model, lm.tokenizer
@@ -191,6 +203,57 @@ def main() -> None:
         meta = {"model": a.model, "length": a.length, "budget": a.budget, "seed": a.seed, "command": "python benchmarks/route_diagnosis.py "
                 f"--length {a.length} --depths {a.depths} --budget {a.budget} --out {a.out}"}
         Path(a.out).write_text(json.dumps({"meta": meta, "contexts": rows}, indent=1) + "\n")
+
+
+def profile_weight_ranks(a) -> None:
+    from sekv_core import runtime
+    from sekv_core.sekv import scout
+
+    torch.set_num_threads(a.threads)
+    lm = models.load(a.model, device="cpu")
+    model, tok = lm.model, lm.tokenizer
+    shape = ModelShape.of(lm.config, next(model.parameters()).dtype)
+    group = shape.n_heads // shape.n_kv_heads
+    sekv = methods.get("sekv")
+    lams = [float(x) for x in a.profile_weights.split(",")]
+    budgets = [float(x) for x in (a.budgets or str(a.budget)).split(",")]
+    hits = {lam: 0 for lam in lams}
+    cases = 0
+    for ctx in tasks.generate("niah", tok, lengths=[a.length], depths=[float(x) for x in a.depths.split(",")], seed=a.seed,
+                              essays=tasks.load_haystack(None)):
+        text = prompt.document_prefix(tok, ctx.document)
+        ids = torch.tensor(prompt.encode(tok, text))
+        n0, n1 = needle_tokens(tok, text, ctx.meta["needles"][0])
+        pre = prefill(model, ids, with_surprisal=True, capture=("obs_queries",), obs_window=scout.PROFILE_QUERIES)
+        qids = torch.tensor([prompt.encode(tok, prompt.question_suffix(tok, ctx.probes[0].question))])
+        for b in budgets:
+            params = sekv.resolve_params({"budget": b})
+            mem = sekv.open(DictStore({k: v.cpu() for k, v in sekv.compress(pre, params).items()}), params, shape, "cpu")
+            S = mem.n_spans
+            needle = ((mem.span_start < n1) & (mem.span_end > n0)).nonzero().flatten().tolist()
+            queries = {}
+            inner = mem._attend
+
+            def spy(layer, query, *rest, inner=inner, queries=queries, mem=mem):
+                if mem._scouting:
+                    queries[layer] = query[0].float().clone()
+                return inner(layer, query, *rest)
+
+            mem._attend = spy
+            mem.prepare_question(lambda: runtime.forward_hidden(model, qids, mem.n_tokens(), mem))
+            span_of = torch.full((ids.numel(),), -1, dtype=torch.long)
+            for i, (s0, s1) in enumerate(mem.spans()):
+                span_of[s0:s1] = i
+            zq, zp = torch.zeros(S), torch.zeros(S)
+            for l in range(shape.n_layers):
+                zq += scout.zscore(span_mass(queries[l], pre.keys[l], span_of, S, group).reshape(-1, S).amax(0))
+                zp += scout.zscore(span_mass(pre.scores["obs_queries"][l].float(), pre.keys[l], span_of, S, group).reshape(-1, S).amax(0))
+            ranks = {lam: rank_of(zq - lam * zp, needle) for lam in lams}
+            cases += 1
+            for lam, r in ranks.items():
+                hits[lam] += r is not None and r <= 1
+            print(json.dumps({"depth": ctx.depth, "budget": b, "spans": S, "needle_spans": needle, "ranks": {str(k): v for k, v in ranks.items()}}), flush=True)
+    print("needle span ranked first or second: " + ", ".join(f"lambda {lam}: {hits[lam]}/{cases}" for lam in lams))
 
 
 if __name__ == "__main__":

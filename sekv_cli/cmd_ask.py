@@ -13,14 +13,14 @@ from rich.text import Text
 
 from sekv_core.session import Session
 
-from .common import user_errors, BudgetOpt, DeviceOpt, MethodOpt, ModelOpt, RouterOpt, method_overrides
+from .common import user_errors, BudgetOpt, DeviceOpt, MethodOpt, ModelOpt, RouterOpt, RoutingOpt, method_overrides
 from .display import err, human_bytes, kv_table, model_progress, out, stats_rows
 from .evidence import evidence_rows
 
 
-def open_session(pack: Path, model, method, budget, device, quiet: bool, router: str | None = None) -> Session:
+def open_session(pack: Path, model, method, budget, device, quiet: bool, router: str | None = None, routing: str | None = None) -> Session:
     with model_progress(not quiet) as cb:
-        return Session.open(pack, model=model, method=method, params=method_overrides(budget, router), device=device, progress=cb)
+        return Session.open(pack, model=model, method=method, params=method_overrides(budget, router, routing), device=device, progress=cb)
 
 
 def live_line(memory) -> str:
@@ -109,9 +109,10 @@ def ask(
     method: str = MethodOpt,
     budget: float = BudgetOpt,
     router: str = RouterOpt,
+    routing: str = RoutingOpt,
     model: str = ModelOpt,
     device: str = DeviceOpt,
 ) -> None:
     """Answer QUESTION from PACK without re-reading the document."""
-    session = open_session(pack, model, method, budget, device, quiet=as_json, router=router)
+    session = open_session(pack, model, method, budget, device, quiet=as_json, router=router, routing=routing)
     run_question(session, question, max_new_tokens, as_json, show_evidence)

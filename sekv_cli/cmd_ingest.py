@@ -9,7 +9,7 @@ import typer
 from sekv_core import methods, models
 from sekv_core.ingest import ingest as run_ingest
 
-from .common import user_errors, BudgetOpt, DeviceOpt, MethodOpt, ModelOpt, RouterOpt, method_overrides
+from .common import user_errors, BudgetOpt, DeviceOpt, MethodOpt, ModelOpt, RouterOpt, RoutingOpt, method_overrides
 from .display import err, human_bytes, model_progress, token_progress
 
 
@@ -21,12 +21,13 @@ def ingest(
     method: str = MethodOpt,
     budget: float = BudgetOpt,
     router: str = RouterOpt,
+    routing: str = RoutingOpt,
     device: str = DeviceOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),
 ) -> None:
     """Read DOCUMENT once with the model and save its KV memory as a context pack."""
     method = method or methods.DEFAULT_METHOD
-    params = methods.get(method).resolve_params(method_overrides(budget, router))
+    params = methods.get(method).resolve_params(method_overrides(budget, router, routing))
     from sekv_core.documents import load_document
 
     load_document(document)  # fail on a bad document before loading the model

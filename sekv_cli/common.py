@@ -21,10 +21,17 @@ RouterOpt = typer.Option(
 )
 
 
-def method_overrides(budget: float | None, router: str | None = None) -> dict:
+RoutingOpt = typer.Option(
+    None, "--routing", help="sekv span ranking: scout (one ranking per question for every layer, from a scout pass) or per_layer (each layer's own gates)"
+)
+
+
+def method_overrides(budget: float | None, router: str | None = None, routing: str | None = None) -> dict:
     out = {"budget": budget} if budget is not None else {}
     if router is not None:
         out["router"] = router
+    if routing is not None:
+        out["routing"] = routing
     return out
 
 

@@ -56,6 +56,7 @@ def generate(
     t0 = time.perf_counter()
     t_first = None
     peak = 0
+    memory.prepare_question(lambda: runtime.forward_hidden(model, ids, memory.n_tokens(), memory))
     while True:
         memory.begin_step(ids.shape[1])
         hidden = runtime.forward_hidden(model, ids, memory.n_tokens(), memory)

@@ -87,9 +87,11 @@ def ingest(
         on_tokens(len(ids))
 
     t1 = time.perf_counter()
+    if next(lm.model.parameters()).device.type == "cuda":  # host memory for compress's results, ready by the time it runs
+        cache_method.reserve_host(len(ids), model_shape(lm), params)
     needs = cache_method.needs_scores
     result = prefill(lm.model, torch.tensor(ids), with_surprisal=cache_method.needs_surprisal, chunk=chunk, progress=progress,
-                     capture=tuple(x for x in needs if x != "token_text"), obs_window=int(params.get("window", 64)))
+                     capture=tuple(x for x in needs if x != "token_text"), obs_window=cache_method.obs_window(params))
     if "token_text" in needs:
         result.scores["token_text"] = lm.tokenizer.batch_decode([[t] for t in ids])
     t2 = time.perf_counter()

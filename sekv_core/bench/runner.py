@@ -383,7 +383,7 @@ def _needs_scores(method) -> tuple[str, ...]:
 
 
 def _obs_window(method, params: dict) -> int:
-    return int(params.get("window", 64))  # as ingest does
+    return method.obs_window(params)  # as ingest does
 
 
 def _prefill_for(model, tok, ids: torch.Tensor, with_surprisal: bool, pairs: set[tuple[str, float | None]]):

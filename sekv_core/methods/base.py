@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -131,6 +131,10 @@ class KVMemory(ABC):
     def step_stats(self) -> StepStats:
         return StepStats(resident_bytes=self.resident_bytes())
 
+    def prepare_question(self, forward: Callable[[], Any]) -> None:
+        """Called once per answer, before its first forward; forward() runs the question's tokens through the
+        model over this memory (a memory may look at them first, then must drop them).  Default: nothing."""
+
     def begin_step(self, n_new: int) -> None:
         """Called before each forward of n_new tokens."""
 
@@ -226,6 +230,14 @@ class CacheMethod(ABC):
                 raise SekvError(f"method '{self.name}' has no parameter '{k}' (it has: {', '.join(params) or 'none'})")
             params[k] = type(params[k])(v) if params[k] is not None else v
         return params
+
+    def obs_window(self, params: dict[str, Any]) -> int:
+        """Document tokens whose queries the prefill records when ``needs_scores`` has "obs_queries"."""
+        return int(params.get("window", 64))
+
+    def reserve_host(self, n_tokens: int, shape: ModelShape, params: dict[str, Any]) -> None:
+        """Called before the prefill of an n_tokens document on an accelerator: a method whose compress()
+        moves large results to the host may prepare that memory meanwhile (sekv does).  Default: nothing."""
 
     @abstractmethod
     def compress(self, prefill: PrefillResult, params: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..sekv import factorize as fz
-from ..sekv import rope, router
+from ..sekv import rope, router, scout
 from ..sekv.decode import BatchedDecoder
 from ..sekv.attention import build_mask, mixed_attention, place, route, select
 from ..sekv.segment import Segmentation, auto_lengths, fixed_segment, segment
@@ -41,6 +41,7 @@ from ..errors import PackError, SekvError
 from .base import CacheMethod, GrowingKV, KVMemory, ModelShape, PrefillResult, StepStats, TensorStore
 
 _ZOOMS = ("router", "all", "none")
+ROUTINGS = ("scout", "per_layer")
 SEGMENTATIONS = ("surprisal", "fixed")
 TAU_MODES = ("per_head", "global")
 
@@ -53,6 +54,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "mean-pool": {"weighting": "mean"},  # span means with equal weights
     "global-tau": {"tau_mode": "global"},  # one threshold for every (layer, head)
     "untrained-router": {"router": "untrained"},  # the PCA-initialised router even where a trained one exists
+    "per-layer-routing": {"routing": "per_layer"},  # each layer ranks spans by its own gates (no scout pass)
 }
 
 
@@ -147,6 +149,19 @@ class SekvMemory(KVMemory):
         self.route_hook = None
         if self.zoom not in _ZOOMS:
             raise SekvError(f"sekv: zoom must be one of {', '.join(_ZOOMS)}, not {self.zoom!r}")
+        self.routing = params.get("routing", "scout")
+        if self.routing not in ROUTINGS:
+            raise SekvError(f"sekv: routing must be one of {', '.join(ROUTINGS)}, not {self.routing!r}")
+        # scout routing (sekv/scout.py): the question's span ranking, one value per span, shared by every layer;
+        # a fixed device buffer (the batched step's CUDA graphs read it), filled by prepare_question()
+        self.shared_prio = torch.zeros(S, device=device) if self.routing == "scout" and self.zoom == "router" else None
+        self._scouting = False
+        self._scout_sum = None
+        # the ranking holds for the ask that follows prepare_question(); a forward of an ask without one (a
+        # caller that bypasses generate()) routes per layer on the CPU step
+        self._scout_pending = self._scout_ready = False
+        # the document end's span profile (sekv/scout.py), subtracted from the question's; absent in older packs
+        self.scout_profile = store.get("sekv.scout.profile").float().to(device) if "sekv.scout.profile" in names else None
         self._reset_ask()
         self._last_resident = self.resident_bytes()
 
@@ -207,9 +222,64 @@ class SekvMemory(KVMemory):
         self._budget_bytes = 0
         self._stats_stale = False
         self._reused = 0
+        self._scout_ready, self._scout_pending = getattr(self, "_scout_pending", False), False
         self._held: list[tuple | None] = [None] * L  # per layer: (keep, rows K, rows V, slot spans) of its last step
         if getattr(self, "_dec", None) is not None:
             self._dec.reset_stats()
+
+    def prepare_question(self, forward) -> None:
+        """Scout pass (routing="scout"): run the question once with the per-layer router, summing each layer's
+        z-scored span masses; the answer's forwards then rank spans by the sum.  forward() runs the question's
+        tokens through the model over this memory; they are dropped again afterwards."""
+        if self.shared_prio is None or self.n_spans == 0:
+            return
+        base = self.n_tokens()
+        self._scouting, self._scout_sum = True, torch.zeros(self.n_spans, dtype=torch.float32, device=self.device)
+        try:
+            forward()
+            w = float(self.params.get("profile_weight", 0.75))
+            rank = self._scout_sum if self.scout_profile is None else self._scout_sum - w * self.scout_profile
+            self.shared_prio.copy_(rank)
+            self._scout_pending = True
+        finally:
+            self._scouting, self._scout_sum = False, None
+            self.truncate(base)
+
+    def _scout_layer(self, layer: int, query: torch.Tensor, scaling: float) -> None:
+        """Add this layer's z-scored span masses (sekv/scout.py) for the question's queries [1, H, T, d]."""
+        d, hkv = self.shape.head_dim, self.shape.n_kv_heads
+        q = query[0].float().reshape(hkv, -1, d)  # [Hkv, G*T, d]: a group's heads and tokens
+        k_full = torch.cat([self.kv.k[layer][0, :, : self.n_full], self.kv.k[layer][0, :, self.n_base : self.kv.len[layer]]], 1)
+        other = torch.logsumexp(torch.bmm(q, k_full.float().transpose(1, 2)) * scaling, dim=-1)  # [Hkv, G*T]
+        # spans in chunks of about the layer's zoom budget in reconstructed keys (at least one span)
+        per_span = hkv * int(self.span_len.max()) * d * 4
+        chunk = max(1, int((self._cap or per_span) // per_span))
+        lse, grp, sid = [], [], []
+        for a in range(0, self.n_spans, chunk):
+            i = torch.arange(a, min(a + chunk, self.n_spans)).repeat(hkv)
+            g = torch.arange(hkv).repeat_interleave(i.numel() // hkv)
+            rows = self._span_rows(layer, g, i)
+            gd, idv = g.to(self.device), i.to(self.device)
+            lse.append(scout.span_logsumexp(q, rows, self.span_len_dev[idv], gd, scaling))
+            grp.append(gd)
+            sid.append(idv)
+        mass = scout.layer_mass(torch.cat(lse), torch.cat(grp), torch.cat(sid), other, self.n_spans)
+        self._scout_sum += scout.zscore(mass)
+
+    def _span_rows(self, layer: int, g: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        """Keys of (group g, span i) blocks rebuilt from the factors, post-RoPE: [E, n_max, d] float32."""
+        f, lay = self.factors[layer]
+        dev = fz.gather(f, lay, self.span_len, g, i, self.shape.head_dim).to(self.device)
+        return self._rope_rows(fz.expand(dev, self.shape.head_dim, torch.float32), i.to(self.device))
+
+    def _rope_rows(self, rows: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE packs: rotate reconstructed key rows [E, n_max, d] of spans [E] to their positions (in place)."""
+        if self.pre_rope and rows.numel():
+            d = rows.shape[-1]
+            pos = self.span_start_dev[span].view(-1, 1) + torch.arange(rows.shape[1], device=self.device).view(1, -1)
+            cos, sin = rope.cos_sin(pos.flatten(), self.inv_freq, self.rope_scaling, dtype=self.shape.dtype)
+            rows[:] = rope.apply(rows.reshape(-1, d), cos, sin).view(rows.shape)
+        return rows
 
     def _begin_forward(self, n_new: int) -> None:
         if self._stats_stale:
@@ -246,7 +316,10 @@ class SekvMemory(KVMemory):
         if self.batched:
             if self._dec is None:
                 self._dec = BatchedDecoder(self)
-            return self._dec.attend(layer, query, key, value, scaling)
+            out = self._dec.attend(layer, query, key, value, scaling)
+            if self._scouting:
+                self._scout_layer(layer, query, scaling)
+            return out
         keys, values = self.kv.append(layer, key, value)
         H, q = query.shape[1], query.shape[2]
         hkv, S = self.shape.n_kv_heads, self.n_spans
@@ -267,6 +340,8 @@ class SekvMemory(KVMemory):
             kbar = self.kv.k[layer][0, :, self.n_full : self.n_base]
             logits = router.gate_logits(query[0], self.w[layer], kbar, self.inv_norm[layer], self.log_n)
             cand, prio = route(logits, self.logit_tau[layer], hkv)
+            if self.shared_prio is not None and self._scout_ready and not self._scouting:  # scout: the question's ranking
+                cand, prio = torch.ones_like(cand), self.shared_prio.view(1, -1).expand(hkv, -1).to(prio.dtype)
             if self.route_hook is not None:  # diagnostics (benchmarks/route_diagnosis.py): replace the routing
                 cand, prio = self.route_hook(layer, cand, prio)
             keep = select(prio, self.cost, self._cap)
@@ -293,6 +368,8 @@ class SekvMemory(KVMemory):
         )
         out = mixed_attention(query, keys, values, mask, scaling)
         self._account(layer, keep, expanded)
+        if self._scouting:
+            self._scout_layer(layer, query, scaling)
         return out
 
     def _reconstruct(self, layer: int, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -322,10 +399,7 @@ class SekvMemory(KVMemory):
         rows = fz.expand(dev, d, torch.float32)  # [2E, n_max, d]
         e = g.numel()
         idev = i.to(self.device)
-        if self.pre_rope:
-            pos = self.span_start_dev[idev].view(-1, 1) + torch.arange(rows.shape[1], device=self.device).view(1, -1)
-            cos, sin = rope.cos_sin(pos.flatten(), self.inv_freq, self.rope_scaling, dtype=self.shape.dtype)
-            rows[:e] = rope.apply(rows[:e].reshape(-1, d), cos, sin).view(e, -1, d)
+        self._rope_rows(rows[:e], idev)
         out, blk, _ = place(rows.to(self.shape.dtype), g2.to(self.device), self.span_len_dev[i2.to(self.device)], 2 * hkv)
         slot_span = torch.where(blk[:hkv] >= 0, idev[blk[:hkv].clamp_min(0)], torch.full_like(blk[:hkv], -1))
         return out[:hkv], out[hkv:], slot_span
@@ -350,8 +424,10 @@ class _HostCopies:
 
     Without an arena a worker thread copies into ordinary memory (page faults bound it: 1.5 GB/s on the H200
     machine, against 2.8 GB/s to page-lock and 55 GB/s to copy into locked memory, benchmarks/gpu_micro.py).
-    With a page-locked ``arena`` (``SekvMethod.reserve_host``) a finished layer's tensors are DMA-copied into
-    views of it on a side stream that waits only for that layer's work.  On the CPU it does nothing.
+    With an ``arena`` (``SekvMethod.reserve_host``) a finished layer's tensors go into views of it, on a side
+    stream that waits only for that layer's work: DMA copies issued from this thread when it is page-locked;
+    when it is ordinary memory already faulted in, the worker thread copies (a pageable copy blocks its caller).
+    On the CPU it does nothing.
     """
 
     def __init__(self, device: torch.device, arena: torch.Tensor | None = None):
@@ -383,23 +459,29 @@ class _HostCopies:
         ev = torch.cuda.Event()
         ev.record()
         rest = {}
+        pinned = self.arena is not None and self.arena.is_pinned()
+        slots = {}
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ev)
             got = {}
             for k, t in todo.items():
-                dst = self._slot(t.contiguous() if not t.is_contiguous() else t)
+                t = t.contiguous()
+                dst = self._slot(t)
                 if dst is None:
                     rest[k] = t
-                    continue
-                dst.copy_(t, non_blocking=True)
-                t.record_stream(self.stream)
-                got[k] = dst
+                elif pinned:
+                    dst.copy_(t, non_blocking=True)
+                    t.record_stream(self.stream)
+                    got[k] = dst
+                else:
+                    slots[k] = (dst, t)
         self.jobs.append(got)
-        if rest:
+        if rest or slots:
 
             def work():
                 with torch.cuda.stream(self.stream):
-                    return {k: t.to("cpu") for k, t in rest.items()}
+                    host = {k: dst.copy_(t) for k, (dst, t) in slots.items()}
+                    return host | {k: t.to("cpu") for k, t in rest.items()}
 
             self.jobs.append(self.pool.submit(work))
 
@@ -426,6 +508,7 @@ class SekvMethod(CacheMethod):
     name = "sekv"
     summary = "SeKV: anchors + coarse span means on device, per-span SVD factors on CPU, zoom-in decoding"
     needs_surprisal = True
+    needs_scores = ("obs_queries",)  # the document end's queries: the scout's question-independent profile
     ablations = ABLATIONS
     default_params = {
         "budget": 0.10,  # resident KV budget, fraction of the full KV (also sizes window / spans at ingest)
@@ -453,9 +536,22 @@ class SekvMethod(CacheMethod):
         # "auto": the trained router shipped for this model (sekv_core/routers/), else "untrained"; or a router file.
         # compress() replaces "auto" by what it used, so the pack's manifest records it.
         "router": "auto",
+        # "scout": a scout pass of the question ranks spans once for every layer (sekv/scout.py, docs/sekv.md §7c);
+        # "per_layer": each layer keeps spans in the order of its own gates (SPEC §2.4)
+        "routing": "scout",
+        "profile_weight": 0.75,  # scout: rank = question's span sum - profile_weight x the document end's (sekv/scout.py)
         "router_sha256": "",  # set by compress(): the trained router file the pack was built with
     }
-    ask_time_params = ("budget", "router")
+    ask_time_params = ("budget", "router", "routing", "profile_weight")
+
+    def obs_window(self, params: dict[str, Any]) -> int:
+        return scout.PROFILE_QUERIES
+
+    def resolve_params(self, overrides):
+        params = super().resolve_params(overrides)
+        if params["routing"] not in ROUTINGS:
+            raise SekvError(f"sekv: --routing must be one of {', '.join(ROUTINGS)}, not {params['routing']!r}")
+        return params
 
     @staticmethod
     def lengths(n_tokens: int, params: dict[str, Any]) -> tuple[int, int, int]:
@@ -480,16 +576,19 @@ class SekvMethod(CacheMethod):
         chunk = float(params.get("chunk", 0)) or (float(seg.span_len.float().mean()) if seg.n_spans else 0.0)
         return fixed_segment(n, chunk=chunk, n_sink=int(params["n_sink"]), window=w, anchors=anchors)
 
-    def reserve_host(self, n_tokens: int, shape: ModelShape, params: dict[str, Any]) -> None:
-        """Start page-locking host memory for the pack of an n_tokens document in a background thread;
-        compress() then copies into it.  Measured on the H200 (docs/gpu.md): compress halves, but the
-        page-locking holds the CUDA driver and the prefill it was meant to overlap grows by as much, so it
-        pays only where the locked memory is reused (several ingests in one process)."""
+    def reserve_host(self, n_tokens: int, shape: ModelShape, params: dict[str, Any], pinned: bool = False) -> None:
+        """Prepare host memory for the pack of an n_tokens document in a background thread while the prefill
+        runs; compress() then copies into it.  ``pinned``: page-lock it.  Measured on the H200 (docs/gpu.md):
+        compress halves, but page-locking holds the CUDA driver and the prefill grows by as much.  Otherwise
+        ordinary memory is allocated and every page touched (no CUDA call), so the copies do not page-fault."""
         from concurrent.futures import ThreadPoolExecutor
 
         pool = ThreadPoolExecutor(1)
         nbytes = self._host_bound(n_tokens, shape, params)
-        self._arena = (pool.submit(lambda: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)), pool)
+        if pinned:
+            self._arena = (pool.submit(lambda: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)), pool)
+        else:
+            self._arena = (pool.submit(lambda: torch.zeros(nbytes, dtype=torch.uint8)), pool)
 
     def _take_arena(self) -> torch.Tensor | None:
         a = getattr(self, "_arena", None)
@@ -547,6 +646,7 @@ class SekvMethod(CacheMethod):
             cos, sin = rope.cos_sin(pos, inv, shape.rope_attention_scaling, dtype=prefill.keys[0].dtype)
         taus = torch.full((L, H), router.TAU_DEFAULT if not params["tau"] else float(params["tau"]), dtype=torch.float32)
         out["sekv.router.tau"] = taus
+        out["sekv.scout.profile"] = scout.document_profile(prefill, seg.span_start, seg.span_end)
         trained = self._trained_router(prefill, params, shape)
         if trained is not None:
             out["sekv.router.ttau"] = trained.tau.float()

@@ -1,0 +1,91 @@
+"""Scout routing: one span ranking per question, shared by every layer (docs/sekv.md §7b, §7c).
+
+A needle is answered when its span is zoomed in nearly every layer, yet at the question's tokens no single
+layer's attention, not even full KV's, reliably puts that span first (route diagnosis, docs/sekv.md §7b).
+Summed over layers, it stands out.  So before a question is answered its tokens are run once over the
+memory (the *scout pass*, with the per-layer router).  At each layer the keys of every span are rebuilt
+from the factors a chunk at a time, and the question's attention mass on each span is what the
+full-resolution softmax over the whole document would give it:
+
+    mass_i = max over (query head, question token) of  sum_{t in span i} softmax(q . k / sqrt(d))_t
+
+(the softmax runs over every span token, anchor, window and question token).  It is z-scored over spans
+and summed over layers.  Some spans (the document's head, the last ones) draw attention from any query;
+so the same sum is taken at ingest for the queries of the document's last PROFILE_QUERIES tokens (the
+*document profile*, stored in the pack, exact keys) and subtracted.  The answer's forwards then keep spans
+in order of (question sum - profile), in every layer, within the same budget cap.  The logsumexp per span
+is built chunk by chunk, so only one chunk of reconstructed keys exists at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: document tokens at the end whose queries give the question-independent profile
+PROFILE_QUERIES = 32
+
+
+def span_logsumexp(q: torch.Tensor, rows: torch.Tensor, n: torch.Tensor, group: torch.Tensor, scaling: float) -> torch.Tensor:
+    """log sum_t exp(q . k_t * scaling) over each block's rows.
+
+    q [Hkv, M, d] (M = query heads of a group x question tokens), rows [E, n_max, d] (block e's first n[e]
+    rows are its keys), group [E] (KV group of block e) -> [E, M].
+    """
+    if rows.shape[0] == 0:
+        return q.new_zeros(0, q.shape[1])
+    logits = torch.bmm(q[group], rows.transpose(1, 2)) * scaling  # [E, M, n_max]
+    pad = torch.arange(rows.shape[1], device=rows.device).view(1, 1, -1) >= n.view(-1, 1, 1)
+    return torch.logsumexp(logits.masked_fill(pad, float("-inf")), dim=-1)
+
+
+def layer_mass(span_lse: torch.Tensor, span_group: torch.Tensor, span_id: torch.Tensor, other_lse: torch.Tensor, n_spans: int) -> torch.Tensor:
+    """Attention mass of each span, max over (group, query head, question token).
+
+    span_lse [E, M] (one row per (group, span) block), span_group / span_id [E], other_lse [Hkv, M] (the
+    logsumexp over every full-resolution key: anchors, window, question) -> [n_spans].
+    """
+    hkv, m = other_lse.shape
+    per_group = torch.full((hkv, n_spans, m), float("-inf"), dtype=span_lse.dtype, device=span_lse.device)
+    per_group[span_group, span_id] = span_lse
+    total = torch.logsumexp(torch.cat([per_group, other_lse.unsqueeze(1)], dim=1), dim=1)  # [Hkv, M]
+    mass = torch.exp(per_group - total.unsqueeze(1))  # [Hkv, S, M]
+    return mass.amax(dim=-1).amax(dim=0)
+
+
+def zscore(v: torch.Tensor) -> torch.Tensor:
+    """(v - mean) / std over spans; zeros when every span has the same value."""
+    if v.numel() < 2:
+        return torch.zeros_like(v)
+    sd = v.std()
+    return (v - v.mean()) / sd if float(sd) > 0 else torch.zeros_like(v)
+
+
+def document_profile(prefill, span_start: torch.Tensor, span_end: torch.Tensor) -> torch.Tensor:
+    """Sum over layers of the z-scored span masses seen by the document end's queries (exact keys): [S] float32.
+
+    prefill.scores["obs_queries"]: per layer [H, w, d] (post-RoPE).  Zeros when they were not recorded.
+    """
+    s = int(span_start.numel())
+    queries = prefill.scores.get("obs_queries") if prefill.scores else None
+    if not queries or s == 0:
+        return torch.zeros(s, dtype=torch.float32)
+    n = prefill.n_tokens
+    span_of = torch.full((n,), -1, dtype=torch.long)
+    lens = span_end - span_start
+    span_of[torch.repeat_interleave(span_start, lens) + _ranks(lens)] = torch.repeat_interleave(torch.arange(s), lens)
+    dev = prefill.keys[0].device
+    span_of, inside = span_of.to(dev), (span_of >= 0).to(dev)
+    total = torch.zeros(s, dtype=torch.float32, device=dev)
+    for q, k in zip(queries, prefill.keys):
+        hkv, d = k.shape[0], k.shape[-1]
+        qf = q.to(dev).float().reshape(hkv, -1, d)  # [Hkv, G*w, d]
+        p = torch.softmax(torch.bmm(qf, k.float().transpose(1, 2)) * d**-0.5, dim=-1)  # [Hkv, G*w, N]
+        mass = torch.zeros(hkv, qf.shape[1], s, device=dev).index_add_(2, span_of[inside], p[:, :, inside])
+        total += zscore(mass.amax(dim=1).amax(dim=0))
+    return total.cpu()
+
+
+def _ranks(lens: torch.Tensor) -> torch.Tensor:
+    """0..len-1 for each run: [sum(lens)]."""
+    starts = torch.cumsum(lens, 0) - lens
+    return torch.arange(int(lens.sum())) - torch.repeat_interleave(starts, lens)

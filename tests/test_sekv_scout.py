@@ -1,0 +1,150 @@
+"""Scout routing (sekv_core/sekv/scout.py): the question's span ranking, checked against full-KV attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sekv_core import methods, runtime
+from sekv_core.prefill import prefill
+from sekv_core.sekv import scout
+
+from test_sekv_method import EXACT, Store, tiny
+
+QUESTION = [5, 17, 42, 99, 7, 250]
+
+
+def _memory(kind="qwen2", n=500, capture=True, device="cpu", **params):
+    model = tiny(kind)
+    runtime.install(model)
+    ids = torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(1))
+    kw = {"capture": ("obs_queries",), "obs_window": scout.PROFILE_QUERIES} if capture else {}
+    res = prefill(model, ids, with_surprisal=True, chunk=128, **kw)
+    m = methods.get("sekv")
+    p = m.resolve_params({"routing": "scout", **params})
+    store = Store(m.compress(res, p))
+    if device != "cpu":
+        model = model.to(device)
+    return model, res, store, p, m.open(store, p, res.shape, device)
+
+
+def _reference_sum(queries: dict, keys: dict, res, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """Sum over layers of z-scored span masses, from full-KV keys, one (head, token) softmax at a time."""
+    d = res.shape.head_dim
+    group = res.shape.n_heads // res.shape.n_kv_heads
+    total = torch.zeros(len(spans), dtype=torch.float64)
+    for layer, q in queries.items():  # q [H, T, d]
+        k_all = torch.cat([res.keys[layer].double(), keys[layer].double()], 1)  # document + question [Hkv, N+T, d]
+        best = torch.zeros(len(spans), dtype=torch.float64)
+        for h in range(q.shape[0]):
+            for t in range(q.shape[1]):
+                p = torch.softmax(k_all[h // group] @ q[h, t].double() * d**-0.5, 0)
+                best = torch.maximum(best, torch.tensor([float(p[a:b].sum()) for a, b in spans], dtype=torch.float64))
+        total += (best - best.mean()) / best.std()
+    return total
+
+
+def _spy(mem):
+    queries, keys = {}, {}
+    inner = mem._attend
+
+    def spy(layer, query, key, value, scaling):
+        if mem._scouting:
+            queries[layer], keys[layer] = query[0].float().clone(), key[0].float().clone()
+        return inner(layer, query, key, value, scaling)
+
+    mem._attend = spy
+    return queries, keys
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_scout_masses_equal_full_kv_attention(kind):
+    """With exact factors the scout's per-layer masses are full-KV attention's: its ranking is the reference's
+    sum of z-scored masses (softmax over document + question keys), minus the document profile."""
+    model, res, store, p, mem = _memory(kind, capture=False, **{**EXACT, "zoom": "router", "budget": 0.5})
+    queries, keys = _spy(mem)
+    q = torch.tensor([QUESTION])
+    mem.prepare_question(lambda: runtime.forward_hidden(model, q, mem.n_tokens(), mem))
+    assert mem.n_tokens() == res.n_tokens  # the scout's tokens are gone again
+    assert mem.scout_profile is not None and not mem.scout_profile.any()  # no recorded queries: a zero profile
+    ref = _reference_sum(queries, keys, res, mem.spans())
+    assert torch.allclose(mem.shared_prio.double(), ref, atol=1e-3), (mem.shared_prio.double() - ref).abs().max()
+
+
+def test_document_profile_is_the_document_ends_masses():
+    model, res, store, p, mem = _memory(**{**EXACT, "zoom": "router", "budget": 0.5})
+    qs = res.scores["obs_queries"]
+    assert qs[0].shape[1] == scout.PROFILE_QUERIES
+    prof = store["sekv.scout.profile"]
+    ref = torch.zeros(mem.n_spans, dtype=torch.float64)
+    d, group = res.shape.head_dim, res.shape.n_heads // res.shape.n_kv_heads
+    for layer, q in enumerate(qs):
+        best = torch.zeros(mem.n_spans, dtype=torch.float64)
+        for h in range(q.shape[0]):
+            for t in range(q.shape[1]):
+                pr = torch.softmax(res.keys[layer][h // group].double() @ q[h, t].double() * d**-0.5, 0)
+                best = torch.maximum(best, torch.tensor([float(pr[a:b].sum()) for a, b in mem.spans()], dtype=torch.float64))
+        ref += (best - best.mean()) / best.std()
+    assert torch.allclose(prof.double(), ref, atol=1e-3)
+    assert torch.allclose(mem.scout_profile.double(), ref, atol=1e-3)
+
+
+def test_scout_ranking_is_shared_by_every_layer_within_the_budget():
+    model, res, store, p, mem = _memory(n=600, budget=0.3, min_span=10, window=16)
+    from sekv_core.generate import generate
+
+    held = []
+    out, stats = generate(model, mem, QUESTION, max_new_tokens=5, stop_ids=set(), on_step=lambda m: held.append([h[0].clone() if h else None for h in m._held]))
+    prof = mem.shared_prio + mem.scout_profile  # the question's own sum
+    assert float(prof.abs().sum()) > 0
+    for step in held:  # every layer keeps the same spans (equal caps), the best-ranked ones
+        assert step[0] is not None and all(torch.equal(k, step[0]) for k in step)
+        kept = step[0].any(0)
+        ranked = torch.argsort(mem.shared_prio, descending=True)
+        assert bool(kept[ranked[0]])
+    x = mem.step_stats()
+    assert x.resident_bytes <= x.extra["budget_bytes"]
+    assert stats.resident_kv_bytes_peak <= x.extra["budget_bytes"]
+
+
+def test_per_layer_routing_has_no_shared_ranking():
+    model, res, store, p, mem = _memory(n=400, routing="per_layer", budget=0.3, min_span=10, window=16)
+    assert mem.shared_prio is None
+    calls = []
+    mem.prepare_question(lambda: calls.append(1))
+    assert calls == []  # no scout pass
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_scout_on_cuda_matches_cpu():
+    """The batched CUDA step reads the same shared ranking (a fixed buffer inside its graphs)."""
+    from sekv_core.generate import generate
+
+    model, res, store, p, mem = _memory(n=600, budget=0.3, min_span=10, window=16)
+    gmodel = tiny("qwen2").cuda()
+    gmodel.load_state_dict(model.state_dict())
+    runtime.install(gmodel)
+    gmem = methods.get("sekv").open(store, p, res.shape, "cuda")
+    assert gmem.batched
+    a, _ = generate(model, mem, QUESTION, max_new_tokens=6, stop_ids=set())
+    b, _ = generate(gmodel, gmem, QUESTION, max_new_tokens=6, stop_ids=set())
+    assert torch.allclose(mem.shared_prio, gmem.shared_prio.cpu(), atol=1e-2)
+    assert a == b
+
+
+def test_a_forward_without_a_scout_pass_routes_per_layer():
+    """Only the ask that follows prepare_question() uses its ranking; other forwards route as per_layer does."""
+    model, res, store, p, mem = _memory(n=600, budget=0.3, min_span=10, window=16)
+    per_layer = methods.get("sekv").open(store, {**p, "routing": "per_layer"}, res.shape, "cpu")
+    q = torch.tensor([QUESTION])
+    a = runtime.forward_logits(model, q, mem.n_tokens(), mem)
+    b = runtime.forward_logits(model, q, per_layer.n_tokens(), per_layer)
+    assert torch.equal(a, b)
+    mem.truncate(600)
+    mem.prepare_question(lambda: runtime.forward_hidden(model, q, mem.n_tokens(), mem))
+    c = runtime.forward_logits(model, q, mem.n_tokens(), mem)  # this ask uses the scout's ranking
+    assert mem._scout_ready
+    mem.truncate(600)
+    d = runtime.forward_logits(model, q, mem.n_tokens(), mem)  # the next ask has had no scout pass
+    assert not mem._scout_ready and torch.equal(d, b)
+    assert c.shape == a.shape
