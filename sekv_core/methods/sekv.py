@@ -245,6 +245,10 @@ class SekvMemory(KVMemory):
             self._scouting, self._scout_sum = False, None
             self.truncate(base)
 
+    def scout_ranks(self) -> bool:
+        """Whether this forward keeps spans in the scout's order (scout routing, after a scout pass for this ask)."""
+        return self.shared_prio is not None and self._scout_ready and not self._scouting
+
     def _scout_layer(self, layer: int, query: torch.Tensor, scaling: float) -> None:
         """Add this layer's z-scored span masses (sekv/scout.py) for the question's queries [1, H, T, d]."""
         d, hkv = self.shape.head_dim, self.shape.n_kv_heads
@@ -337,11 +341,13 @@ class SekvMemory(KVMemory):
             expanded = torch.zeros(H, S, dtype=torch.bool, device=query.device)
             keep = torch.zeros(hkv, S, dtype=torch.bool, device=query.device)
         else:
-            kbar = self.kv.k[layer][0, :, self.n_full : self.n_base]
-            logits = router.gate_logits(query[0], self.w[layer], kbar, self.inv_norm[layer], self.log_n)
-            cand, prio = route(logits, self.logit_tau[layer], hkv)
-            if self.shared_prio is not None and self._scout_ready and not self._scouting:  # scout: the question's ranking
-                cand, prio = torch.ones_like(cand), self.shared_prio.view(1, -1).expand(hkv, -1).to(prio.dtype)
+            if self.scout_ranks():  # the question's ranking, every layer; no gates to compute
+                cand = torch.ones(H, S, dtype=torch.bool, device=query.device)
+                prio = self.shared_prio.view(1, -1).expand(hkv, -1)
+            else:
+                kbar = self.kv.k[layer][0, :, self.n_full : self.n_base]
+                logits = router.gate_logits(query[0], self.w[layer], kbar, self.inv_norm[layer], self.log_n)
+                cand, prio = route(logits, self.logit_tau[layer], hkv)
             if self.route_hook is not None:  # diagnostics (benchmarks/route_diagnosis.py): replace the routing
                 cand, prio = self.route_hook(layer, cand, prio)
             keep = select(prio, self.cost, self._cap)

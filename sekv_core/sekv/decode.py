@@ -160,12 +160,13 @@ class BatchedDecoder:
         if m.zoom == "all":
             cand = torch.ones(h, s, dtype=torch.bool, device=dev)
             prio = torch.zeros(hkv, s, device=dev)
+        elif m.scout_ranks():  # scout routing: the question's ranking from a fixed buffer (graph-safe), no gates
+            cand = torch.ones(h, s, dtype=torch.bool, device=dev)
+            prio = m.shared_prio.view(1, -1).expand(hkv, -1)
         else:
             kbar = m.kv.k[layer][0, :, m.n_full : m.n_base]
             logits = router.gate_logits(query[0], m.w[layer], kbar, m.inv_norm[layer], m.log_n)
             cand, prio = route(logits, m.logit_tau[layer], hkv)
-            if m.shared_prio is not None and m._scout_ready and not m._scouting:  # scout routing (a fixed buffer: graph-safe)
-                cand, prio = torch.ones_like(cand), m.shared_prio.view(1, -1).expand(hkv, -1).to(prio.dtype)
         u = self.U
         pair, ok = select_topk(prio, m.span_len_dev, None if m.zoom == "all" else u, self.P)
         g, i = pair // s, pair % s
