@@ -148,3 +148,50 @@ def test_a_forward_without_a_scout_pass_routes_per_layer():
     d = runtime.forward_logits(model, q, mem.n_tokens(), mem)  # the next ask has had no scout pass
     assert not mem._scout_ready and torch.equal(d, b)
     assert c.shape == a.shape
+
+
+def _ask_logits(model, mem, question, steps):
+    """What generate() does, keeping every step's logits: scout pass, question, greedy steps."""
+    ids = torch.tensor([question])
+    mem.prepare_question(lambda: runtime.forward_hidden(model, ids, mem.n_tokens(), mem))
+    out, h2d = [], []
+    for _ in range(steps):
+        out.append(runtime.forward_logits(model, ids, mem.n_tokens(), mem))
+        h2d.append(mem.step_stats().extra["h2d_bytes_step"])
+        ids = out[-1].argmax(-1)
+    return torch.cat(out, 1), h2d
+
+
+def test_fixed_set_is_fetched_once_and_reused_exactly(monkeypatch):
+    """Batched step under scout routing: the question's forward fills the slots, later steps reuse them (nothing
+    fetched), with the same logits as a decoder that refills every step, and the reference step's tokens."""
+    from sekv_core.sekv import decode
+
+    model, res, store, p, ref = _memory(n=600, budget=0.5, min_span=10, window=16)
+
+    def batched():
+        m = methods.get("sekv").open(store, p, res.shape, "cpu")
+        m.batched = True
+        return m
+
+    reuse, refill = batched(), batched()
+    a, h2d = _ask_logits(model, reuse, QUESTION, 6)
+    assert h2d[0] > 0 and h2d[1:] == [0] * 5  # fetched for the question's forward only
+    assert all(k == (reuse._dec.U, reuse.prio_version) for k in reuse._dec.fx_key)
+    x = reuse.step_stats().extra
+    monkeypatch.setattr(decode.BatchedDecoder, "reusable", lambda self, layer: False)
+    b, h2d = _ask_logits(model, refill, QUESTION, 6)
+    assert all(n > 0 for n in h2d)
+    assert torch.allclose(a, b, atol=1e-6, rtol=1e-6), (a - b).abs().max()
+    y = refill.step_stats().extra
+    for k in ("zoom_spans_total", "span_zoom_counts"):
+        assert x[k] == y[k], k
+    assert x["zoom_rate_per_layer"] == pytest.approx(y["zoom_rate_per_layer"])
+    assert 0 < x["zoom_spans_total"] < reuse.n_spans  # the cap binds
+    c, _ = _ask_logits(model, ref, QUESTION, 6)
+    assert torch.equal(a.argmax(-1), c.argmax(-1))
+    # a new question (a new ranking) refills
+    monkeypatch.undo()
+    reuse.truncate(600)
+    _, h2d = _ask_logits(model, reuse, QUESTION[::-1], 2)
+    assert h2d[0] > 0 and h2d[1] == 0

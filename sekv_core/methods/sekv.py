@@ -157,6 +157,7 @@ class SekvMemory(KVMemory):
         self.shared_prio = torch.zeros(S, device=device) if self.routing == "scout" and self.zoom == "router" else None
         self._scouting = False
         self._scout_sum = None
+        self.prio_version = 0  # bumped with every new ranking: the batched step's fixed sets are keyed on it
         # the ranking holds for the ask that follows prepare_question(); a forward of an ask without one (a
         # caller that bypasses generate()) routes per layer on the CPU step
         self._scout_pending = self._scout_ready = False
@@ -240,6 +241,7 @@ class SekvMemory(KVMemory):
             w = float(self.params.get("profile_weight", 0.75))
             rank = self._scout_sum if self.scout_profile is None else self._scout_sum - w * self.scout_profile
             self.shared_prio.copy_(rank)
+            self.prio_version += 1
             self._scout_pending = True
         finally:
             self._scouting, self._scout_sum = False, None

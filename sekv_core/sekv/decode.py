@@ -16,6 +16,13 @@ every decision stays on the device:
   head seeing its own group's slots of the spans it expanded
   (:func:`attention.flat_attention`).
 
+Fixed sets: under scout routing (and ``zoom="all"``) the kept set depends only on
+the question's ranking and the cap, not on the step's query, so it is the same
+for every forward of an answer.  The forward that first fills the slots records
+the set (the kept pairs and each slot's KV group, one byte per slot, counted as
+resident); later forwards with the same slot count and ranking reuse the slots
+and only attend: no fetch, no reconstruction, nothing crosses PCIe.
+
 Budget: the flat buffers are sized once from the cap (U = what the per-layer cap
 holds once the tail's reserved capacity is used, so the size stays within the
 budget for the whole ask) and they, their slot tables and the block tables are
@@ -31,7 +38,7 @@ from . import blocks as fb
 from . import rope, router
 from .attention import build_mask, flat_attention, route, select_topk
 
-_SLOT_META = 0  # bytes per slot beyond its K and V (slot -> pair is recomputed each step, nothing is stored)
+_SLOT_META = 1  # bytes per slot beyond its K and V: its KV group (int8), kept for reuse under a fixed set
 
 
 class BatchedDecoder:
@@ -49,6 +56,11 @@ class BatchedDecoder:
         self.P = 0
         self.rk: list[torch.Tensor] = []
         self.rv: list[torch.Tensor] = []
+        # fixed sets (scout / zoom all): per layer the kept pairs [Hkv, S], each slot's group [U] (-1: empty) and
+        # the (slot count, ranking version) they were filled for (None: the slots hold a per-layer-routed step)
+        self.fx_keep: list[torch.Tensor] = []
+        self.fx_group: list[torch.Tensor] = []
+        self.fx_key: list = [None] * self.L
         dev = mem.device
         self.head_group = torch.arange(sh.n_heads, device=dev) // (sh.n_heads // self.hkv)
         self.reset_stats()
@@ -71,6 +83,7 @@ class BatchedDecoder:
             return None
         full = (m.n_doc + n_appended) * m.shape.kv_bytes_per_token()
         persistent = (m.n_base + n_appended) * self.hkv * m.entry_bytes * self.L + m.router_bytes + self.table_bytes
+        persistent += self.L * self.hkv * m.n_spans  # the fixed-set tables (fx_keep)
         return max(0, int(m.budget * full) - persistent) // self.L // (m.entry_bytes + _SLOT_META)
 
     def begin_forward(self, n_new: int) -> None:
@@ -98,10 +111,25 @@ class BatchedDecoder:
         self.P = 0 if u == 0 else min(self.hkv * m.n_spans, u // max(1, self.min_len) + 1)
         self.rk = [torch.zeros(u, self.d, dtype=m.shape.dtype, device=dev) for _ in range(self.L)]
         self.rv = [torch.zeros_like(t) for t in self.rk]
+        self.fx_keep = [torch.zeros(self.hkv, m.n_spans, dtype=torch.bool, device=dev) for _ in range(self.L)]
+        self.fx_group = [torch.full((u,), -1, dtype=torch.int8, device=dev) for _ in range(self.L)]
+        self.fx_key = [None] * self.L
+
+    def fixed_key(self):
+        """Identity of this forward's kept set when it cannot depend on the query (scout ranking, zoom all),
+        else None: (slot count, ranking version)."""
+        m = self.mem
+        if self.U <= 0 or not (m.zoom == "all" or m.scout_ranks()):
+            return None
+        return (self.U, m.prio_version)
+
+    def reusable(self, layer: int) -> bool:
+        k = self.fixed_key()
+        return k is not None and self.fx_key[layer] == k
 
     def resident_bytes(self) -> int:
         """Device bytes beyond the resident KV + router: block tables, slot buffers (capacity) and slot tables."""
-        return self.table_bytes + self.L * max(0, self.U) * (self.mem.entry_bytes + _SLOT_META)
+        return self.table_bytes + self.L * (max(0, self.U) * (self.mem.entry_bytes + _SLOT_META) + self.hkv * self.mem.n_spans)
 
     # -- stats ----------------------------------------------------------------------------------------------
 
@@ -139,16 +167,18 @@ class BatchedDecoder:
         h, q = query.shape[1], query.shape[2]
         if q == 1 and self.U > 0 and self.graphs_on:
             return self._replay(layer, query, scaling)
+        reuse = self.reusable(layer)
         n_tail = m.kv.len[layer] - m.n_base
 
         def resident_mask(expanded):
             return build_mask(n_heads=h, n_q=q, n_full=m.n_full, log_n=m.log_n, expanded=expanded, n_tail=n_tail, slot_span=None, dtype=torch.float32)
 
         with _tf32(query.is_cuda and query.dtype != torch.float32):
-            return self._core(layer, query, keys, values, resident_mask, scaling)
+            return self._core(layer, query, keys, values, resident_mask, scaling, reuse)
 
-    def _core(self, layer, query, keys, values, resident_mask, scaling) -> torch.Tensor:
-        """Route, cap, fetch, reconstruct, attend, count: shapes depend only on the memory, never on the data."""
+    def _core(self, layer, query, keys, values, resident_mask, scaling, reuse: bool = False) -> torch.Tensor:
+        """Route, cap, fetch, reconstruct, attend, count: shapes depend only on the memory, never on the data.
+        reuse: the slots hold this forward's fixed set already (fixed_key); only attend and count."""
         m = self.mem
         h = query.shape[1]
         hkv, s, d = self.hkv, m.n_spans, self.d
@@ -157,6 +187,15 @@ class BatchedDecoder:
             expanded = torch.zeros(h, s, dtype=torch.bool, device=dev)
             empty = keys.new_zeros(0, d)
             return flat_attention(query, keys, values, resident_mask(expanded), empty, empty, torch.zeros(h, 0, dtype=torch.bool, device=dev), scaling)
+        u = self.U
+        if reuse:  # a fixed set: every candidate head of a kept pair's group sees it (cand is all-true here)
+            keep = self.fx_keep[layer]
+            expanded = keep.repeat_interleave(h // hkv, 0)
+            visible = self.head_group.view(-1, 1) == self.fx_group[layer].view(1, -1)  # [H, U]; -1 matches none
+            out = flat_attention(query, keys, values, resident_mask(expanded), self.rk[layer][:u], self.rv[layer][:u], visible, scaling)
+            self._count(layer, keep, expanded, None)
+            return out
+        fixed = self.fixed_key()
         if m.zoom == "all":
             cand = torch.ones(h, s, dtype=torch.bool, device=dev)
             prio = torch.zeros(hkv, s, device=dev)
@@ -167,7 +206,6 @@ class BatchedDecoder:
             kbar = m.kv.k[layer][0, :, m.n_full : m.n_base]
             logits = router.gate_logits(query[0], m.w[layer], kbar, m.inv_norm[layer], m.log_n)
             cand, prio = route(logits, m.logit_tau[layer], hkv)
-        u = self.U
         pair, ok = select_topk(prio, m.span_len_dev, None if m.zoom == "all" else u, self.P)
         g, i = pair // s, pair % s
         keep = torch.zeros(hkv * s, dtype=torch.bool, device=dev).index_put_((pair,), ok).view(hkv, s)
@@ -210,15 +248,22 @@ class BatchedDecoder:
         visible = (mine.index_select(0, p_of) & slot_ok.view(-1, 1)).t()  # [H, U]
         rk, rv = rk[:u], rv[:u]
         out = flat_attention(query, keys, values, resident_mask(expanded), rk, rv, visible, scaling)
+        if fixed is not None:  # record the set for the forwards that follow
+            self.fx_keep[layer].copy_(keep)
+            self.fx_group[layer].copy_(torch.where(slot_ok, g.index_select(0, p_of), torch.full_like(p_of, -1)).to(torch.int8))
+        self.fx_key[layer] = fixed
+        self._count(layer, keep, expanded, words)
+        return out
 
+    def _count(self, layer: int, keep: torch.Tensor, expanded: torch.Tensor, words) -> None:
         spans = keep.any(0)
         self.d_step |= spans
         self.d_ask |= spans
         self.d_counts += expanded.sum(0)
         self.d_rate[layer] += expanded.double().mean()
-        self.d_h2d_step += words * 8
-        self.d_h2d_total += words * 8
-        return out
+        if words is not None:
+            self.d_h2d_step += words * 8
+            self.d_h2d_total += words * 8
 
     # -- one CUDA graph per layer for single-token steps ------------------------------------------------------
 
@@ -228,7 +273,7 @@ class BatchedDecoder:
         a graph is recaptured only when the buffers are reallocated (tail growth, new slot count)."""
         m = self.mem
         kb, vb = m.kv.k[layer], m.kv.v[layer]
-        key = (kb.data_ptr(), kb.shape[-2], self.U, float(scaling))
+        key = (kb.data_ptr(), kb.shape[-2], self.U, float(scaling), self.reusable(layer))
         if layer == 0:
             self.g_len.fill_(m.kv.len[0])  # every layer has the same length in a decode step
         if self.graph_key[layer] != key:
@@ -256,7 +301,7 @@ class BatchedDecoder:
 
         def run():
             with _tf32(query.dtype != torch.float32):
-                return self._core(layer, qv, kb, vb, resident_mask, scaling)
+                return self._core(layer, qv, kb, vb, resident_mask, scaling, key[-1])
 
         saved = [x.clone() for x in self._stat_tensors()]
         side = torch.cuda.Stream(query.device)
