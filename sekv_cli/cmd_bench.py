@@ -121,7 +121,7 @@ def bench(
     method_names: str = typer.Option("full", "--methods", help="comma-separated cache methods, or `all`; `full` always runs too (the reference). "
                                      "A variant: METHOD:key=value or METHOD:ABLATION, e.g. sekv:tau_mode=global"),
     ablations: str = typer.Option(None, "--ablations", help="sekv's named ablations to add as variants (comma-separated, or `all`): "
-                                  "no-svd, fixed-chunks, no-anchors, mean-pool, global-tau, untrained-router"),
+                                  "no-svd, fixed-chunks, no-anchors, mean-pool, global-tau, untrained-router, per-layer-routing, 8bit-factors"),
     budgets: str = typer.Option("0.05,0.1,0.2", "--budgets", help="resident KV fractions for methods with a `budget` parameter"),
     lengths: str = typer.Option("4K,8K", "--lengths", help="context lengths in model tokens of the document prefix (4096 or 4K)"),
     depths: str = typer.Option("0,25,50,75,100", "--depths", help="needle depths in percent (niah, mk_niah)"),

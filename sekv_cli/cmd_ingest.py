@@ -22,12 +22,16 @@ def ingest(
     budget: float = BudgetOpt,
     router: str = RouterOpt,
     routing: str = RoutingOpt,
+    factor_bits: int = typer.Option(
+        None, "--factor-bits", help="sekv: factor storage in the pack, 4 (default: 4-bit at rest, int8 again in memory) or 8 (int8, as before)"
+    ),
     device: str = DeviceOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),
 ) -> None:
     """Read DOCUMENT once with the model and save its KV memory as a context pack."""
     method = method or methods.DEFAULT_METHOD
-    params = methods.get(method).resolve_params(method_overrides(budget, router, routing))
+    overrides = method_overrides(budget, router, routing) | ({"factor_bits": factor_bits} if factor_bits is not None else {})
+    params = methods.get(method).resolve_params(overrides)
     from sekv_core.documents import load_document
 
     load_document(document)  # fail on a bad document before loading the model

@@ -19,7 +19,8 @@ Pack tensors (all prefixed ``sekv.``; L layers):
   full.k.l / full.v.l   [Hkv, F, d]  model dtype
   coarse.k.l / coarse.v.l [Hkv, S, d] model dtype
   router.w.l [Hw, d_r, d] float32, router.norm.l [Hw, S] float32, router.tau [L, H] float32
-  fk.l.* / fv.l.*  packed factors (sekv/factorize.py)
+  fk.l.* / fv.l.*  packed factors (sekv/factorize.py); with factor_bits=4 us/vt at rest as us.q4, us.q4m, vt.q4,
+                   vt.q4m, vt.lead, and factor_codec [4] int64 (sekv/codec.py), decoded to int8 at open
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..sekv import codec
 from ..sekv import factorize as fz
 from ..sekv import rope, router, scout
 from ..sekv.decode import BatchedDecoder
@@ -55,6 +57,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "global-tau": {"tau_mode": "global"},  # one threshold for every (layer, head)
     "untrained-router": {"router": "untrained"},  # the PCA-initialised router even where a trained one exists
     "per-layer-routing": {"routing": "per_layer"},  # each layer ranks spans by its own gates (no scout pass)
+    "8bit-factors": {"factor_bits": 8},  # factors stored as int8 in the pack (before 4-bit became the default)
 }
 
 
@@ -168,6 +171,9 @@ class SekvMemory(KVMemory):
 
     @staticmethod
     def _factors(store: TensorStore, names: set[str], prefix: str) -> fz.Factors:
+        coded = codec.read_factors(store, names, prefix)  # factor_bits=4 packs: decoded to int8 here
+        if coded is not None:
+            return coded
         sc = f"{prefix}.us_scale" in names
         return fz.Factors(
             store.get(f"{prefix}.us"),
@@ -534,6 +540,9 @@ class SekvMethod(CacheMethod):
         "energy_k": 0.99,  # untrained rank rule: smallest rank keeping this share of sigma^2 (docs/sekv.md)
         "energy_v": 0.99,
         "factors_8bit": True,
+        # 4: the int8 factors are stored 4-bit coded in the pack (sekv/codec.py) and decoded to int8 at open; 8: as int8.
+        # Float factors (factors_8bit=False) are stored as they are whatever this says.
+        "factor_bits": 4,
         "factor_dtype": "float16",  # float factors when not 8-bit ("float32" for exactness tests)
         "key_space": "pre_rope",  # or "post_rope"
         "svd": "gram",  # or "svd" (torch.linalg.svd)
@@ -559,6 +568,8 @@ class SekvMethod(CacheMethod):
         params = super().resolve_params(overrides)
         if params["routing"] not in ROUTINGS:
             raise SekvError(f"sekv: --routing must be one of {', '.join(ROUTINGS)}, not {params['routing']!r}")
+        if params["factor_bits"] not in (8, 4):
+            raise SekvError(f"sekv: factor_bits must be 8 or 4, not {params['factor_bits']!r}")
         return params
 
     @staticmethod
@@ -638,6 +649,7 @@ class SekvMethod(CacheMethod):
         inv = rope.inv_freq_of(shape)
         pre = params["key_space"] == "pre_rope" and inv is not None
         int8 = bool(params["factors_8bit"])
+        coded = int8 and int(params.get("factor_bits", 8)) == 4  # params from before the parameter: int8
         fdt = getattr(torch, params["factor_dtype"])
         mn, mx, w = self.lengths(prefill.n_tokens, params)
         out: dict[str, torch.Tensor] = {
@@ -648,6 +660,8 @@ class SekvMethod(CacheMethod):
             "sekv.full_idx": seg.full_idx.clone(),
             "sekv.anchor_idx": seg.anchor_idx.clone(),
         }
+        if coded:
+            out[codec.CONFIG] = codec.config_tensor(**codec.DEFAULT)
         if pre:
             out["sekv.rope_inv_freq"] = inv
             out["sekv.rope_scaling"] = torch.tensor([shape.rope_attention_scaling], dtype=torch.float32)
@@ -688,8 +702,12 @@ class SekvMethod(CacheMethod):
                 keep_v = trained.gate.keep(vbar, span_len, True, depth)
             fk = fz.factorize(kx, span_len, energy=float(params["energy_k"]), keep=keep_k, **opts)
             fv = fz.factorize(v[:, pos].float(), span_len, energy=float(params["energy_v"]), keep=keep_v, **opts)
-            out.update(fk.tensors(f"sekv.fk.{li}"))
-            out.update(fv.tensors(f"sekv.fv.{li}"))
+            for f, kind in ((fk, "fk"), (fv, "fv")):
+                if coded:  # at rest 4-bit; SekvMemory._factors decodes to int8
+                    enc = codec.encode_factors(f, span_len, d, **codec.DEFAULT)
+                    out.update({f"sekv.{kind}.{li}.{k}": t for k, t in enc.items()})
+                else:
+                    out.update(f.tensors(f"sekv.{kind}.{li}"))
         return _to_host(out, copies)
 
     @staticmethod
@@ -725,8 +743,15 @@ class SekvMethod(CacheMethod):
                 "17-32": int(((r >= 17) & (r <= 32)).sum()),
                 **({">32": int((r > 32).sum())} if bool((r > 32).any()) else {}),
             }
-        tensor_bytes = sum(store.get(k).numel() * store.get(k).element_size() for k in store.keys() if k.startswith("sekv."))
+        nbytes = {k: store.get(k).numel() * store.get(k).element_size() for k in store.keys() if k.startswith("sekv.")}
+        tensor_bytes = sum(nbytes.values())
+        factor_bytes = sum(b for k, b in nbytes.items() if k.startswith(("sekv.fk.", "sekv.fv.")))
         raw = n * 2 * L * hkv * d * 2
+        if codec.CONFIG in nbytes:
+            c = codec.parse_config(store.get(codec.CONFIG))
+            factors = f"4-bit at rest ({c['levels']}, groups of {c['group']}, us {c['order']}-major, {c['lead']} leading vt row(s) int8), int8 in memory"
+        else:
+            factors = "int8" if "sekv.fk.0.us_scale" in nbytes else "float"
         return {
             "spans": int(lens.numel()),
             "mean_span_tokens": round(float(lens.mean()), 1) if lens.numel() else 0.0,
@@ -737,6 +762,9 @@ class SekvMethod(CacheMethod):
             "key_space": "pre_rope" if int(store.get("sekv.key_space")[0]) else "post_rope",
             "router": ("trained: " + Path(str(params.get("router", ""))).name) if "sekv.router.tw.0" in set(store.keys()) else "untrained",
             "effective_rank_histogram": hist,
+            "factors": factors,
+            "factor_bytes": int(factor_bytes),
+            "factor_share": round(factor_bytes / max(tensor_bytes, 1), 4),
             "pack_tensor_bytes": int(tensor_bytes),
             "raw_kv_fp16_bytes": int(raw),
             "pack_vs_raw": round(tensor_bytes / max(raw, 1), 4),

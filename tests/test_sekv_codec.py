@@ -1,0 +1,242 @@
+"""The at-rest 4-bit factor codec (sekv/codec.py) and `factor_bits=4` packs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sekv_core import methods, runtime
+from sekv_core.errors import SekvError
+from sekv_core.pack import read_pack, write_pack
+from sekv_core.sekv import codec
+from sekv_core.sekv import factorize as fz
+
+from test_sekv_method import Store, _setup
+
+LENS = torch.tensor([3, 17, 33, 40, 64, 70, 100, 5])
+
+
+def _half_gap_bound(q: torch.Tensor, group: int, levels: str) -> torch.Tensor:
+    """Per element: a * (gap between the levels around q / a) / 2 + 1/2, a = the group's max |q| (module docstring)."""
+    lv = codec.LEVELS[levels]
+    n = q.numel()
+    a = torch.zeros(codec.n_groups(n, group) * group)
+    a[:n] = q.float().abs()
+    a = a.view(-1, group).amax(1).repeat_interleave(group)[:n]
+    y = q.float() / torch.where(a > 0, a, torch.ones_like(a))
+    hi = torch.bucketize(y, lv).clamp(1, lv.numel() - 1)  # levels lv[hi - 1] <= y <= lv[hi]
+    gap = lv[hi] - lv[hi - 1]
+    return a * gap / 2 + 0.5
+
+
+def test_int4_hand_computed():
+    # group 4, a = 127: q / a * 7 = 7, -3.53, 0, 0.55 -> levels 7/7, -4/7, 0, 1/7 -> 127, round(-72.57), 0, round(18.14)
+    q = torch.tensor([127, -64, 0, 10], dtype=torch.int8)
+    codes, m = codec.encode(q, 4, "int4")
+    assert m.tolist() == [127] and m.dtype == torch.uint8
+    # level index = k + 8: 15, 4, 8, 9; element 2k in the low nibble
+    assert codes.tolist() == [15 | (4 << 4), 8 | (9 << 4)]
+    assert codec.decode(codes, m, 4, 4, "int4").tolist() == [127, -73, 0, 18]
+    # nf4, same group: q / a = 1, -0.504, 0, 0.0787 -> levels 1.0, -0.5251, 0, 0.0796
+    c2, _ = codec.encode(q, 4, "nf4")
+    assert codec.decode(c2, m, 4, 4, "nf4").tolist() == [127, round(-0.5250730514526367 * 127), 0, round(0.07958029955625534 * 127)]
+
+
+@pytest.mark.parametrize("levels", ["int4", "nf4"])
+@pytest.mark.parametrize("group", [2, 16, 32, 64])
+def test_round_trip_within_half_a_step(levels, group):
+    g = torch.Generator().manual_seed(group)
+    for n in (1, 7, 1000, 4097):
+        q = (torch.randn(n, generator=g) * torch.rand(n, generator=g).pow(3) * 60).round().clamp(-127, 127).to(torch.int8)
+        codes, m = codec.encode(q, group, levels)
+        assert codes.numel() == (n + 1) // 2 and m.numel() == -(-n // group)
+        back = codec.decode(codes, m, n, group, levels)
+        assert back.dtype == torch.int8 and back.shape == q.shape
+        err = (back.float() - q.float()).abs()
+        assert bool((err <= _half_gap_bound(q, group, levels) + 1e-4).all()), float((err - _half_gap_bound(q, group, levels)).max())
+        if levels == "int4":  # the uniform bound: a / 14 + 1/2
+            assert float(err.max()) <= float(m.float().max()) / 14 + 0.5
+        # the group maximum itself is exact (the level +-1 is in both tables)
+        pos = q.float().abs().argmax()
+        assert back[pos] == q[pos]
+
+
+@pytest.mark.parametrize("levels", ["int4", "nf4"])
+def test_constant_and_zero_groups_are_exact(levels):
+    q = torch.tensor([0] * 8 + [5] * 8 + [-7] * 8 + [127] * 8 + [-127] * 3, dtype=torch.int8)
+    codes, m = codec.encode(q, 8, levels)
+    assert m.tolist() == [0, 5, 7, 127, 127]
+    assert torch.equal(codec.decode(codes, m, q.numel(), 8, levels), q)
+    z = torch.zeros(33, dtype=torch.int8)
+    cz, mz = codec.encode(z, 16, levels)
+    assert int(mz.sum()) == 0 and torch.equal(codec.decode(cz, mz, 33, 16, levels), z)
+    empty = torch.zeros(0, dtype=torch.int8)
+    ce, me = codec.encode(empty, 16, levels)
+    assert ce.numel() == me.numel() == 0 and codec.decode(ce, me, 0, 16, levels).numel() == 0
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError):
+        codec.encode(torch.zeros(4), 4)  # float
+    with pytest.raises(ValueError):
+        codec.encode(torch.zeros(4, dtype=torch.int8), 3)  # odd group
+    c, m = codec.encode(torch.ones(10, dtype=torch.int8), 4)
+    with pytest.raises(ValueError):
+        codec.decode(c, m, 20, 4)  # too few codes for 20 elements
+
+
+def test_column_order_by_hand():
+    # blocks 2 x 3 and 1 x 2: row-major 0..5 | 6 7 -> column-major positions
+    p = codec.column_order(torch.tensor([2, 1]), torch.tensor([3, 2]))
+    assert p.tolist() == [0, 2, 4, 1, 3, 5, 6, 7]
+    x = torch.arange(8)
+    col = torch.empty_like(x)
+    col[p] = x
+    assert col.tolist() == [0, 3, 1, 4, 2, 5, 6, 7]  # block 1 transposed
+    assert torch.equal(col[p], x)
+
+
+def test_factor_round_trip():
+    x = torch.randn(2, int(LENS.sum()), 64, generator=torch.Generator().manual_seed(4))
+    f = fz.factorize(x, LENS, energy=0.99, rank_max=32, int8=True)
+    kw = codec.DEFAULT
+    t = codec.encode_factors(f, LENS, 64, **kw)
+    assert {"us", "vt"}.isdisjoint(t) and t["us.q4"].dtype == torch.uint8 and t["vt.lead"].dtype == torch.int8
+    g = codec.decode_factors(t, LENS, 64, **kw)
+    assert g.us.dtype == torch.int8 and g.us.shape == f.us.shape and g.vt.shape == f.vt.shape
+    assert torch.equal(g.rank, f.rank) and torch.equal(g.us_scale, f.us_scale) and torch.equal(g.vt_scale, f.vt_scale)
+    # the first vt row of every block is stored as it was
+    lay = fz.Layout.of(f, LENS, 64)
+    live = lay.rank > 0
+    first = lay.vt_off[live].view(-1, 1) + torch.arange(64).view(1, -1)
+    assert torch.equal(g.vt[first], f.vt[first])
+    # us: column-major groups -> each element within its group's half step
+    p = codec.column_order(LENS.view(1, -1).expand_as(f.rank), f.rank)
+    col = torch.empty_like(f.us)
+    col[p] = f.us
+    bound = _half_gap_bound(col, kw["group"], kw["levels"])[p]
+    assert bool(((g.us.float() - f.us.float()).abs() <= bound + 1e-4).all())
+    # bytes: a little over half of int8 (4-bit codes + a byte per 32 + the int8 leading rows)
+    nb = sum(v.numel() * v.element_size() for v in t.values())
+    assert nb < 0.62 * f.nbytes()
+    y8 = fz.reconstruct_all(f, LENS, 64)
+    y4 = fz.reconstruct_all(g, LENS, 64)
+    assert float((y4 - y8).norm() / y8.norm()) < 0.15
+
+
+def test_factor_bits_parameter():
+    m = methods.get("sekv")
+    assert m.resolve_params({})["factor_bits"] == 4
+    assert m.resolve_params({"factor_bits": "8"})["factor_bits"] == 8
+    with pytest.raises(SekvError, match="factor_bits"):
+        m.resolve_params({"factor_bits": 3})
+
+
+# exact factors apart from the 8-bit quantisation: full rank, every span expanded
+INT8_FULL = {"zoom": "all", "budget": 1.0, "energy_k": 1.0, "energy_v": 1.0, "rank_max": 64, "min_span": 8, "window": 16, "router": "untrained"}
+
+
+def test_4bit_pack_round_trip_and_full_expansion(tmp_path):
+    """A factor_bits=4 pack: only coded tensors, write / read / open, and logits at full expansion near full KV.
+
+    Tolerance: the logits move (to first order) in proportion to the factors' element errors.  Per element,
+    int8 rounding errs by at most B8 = 1/2 (of a row's scale unit) and the codec by at most
+    B4 = 127 * max_gap / 2 + 1/2 (largest nf4 gap, at +1: 0.277 -> 18.1 units).  So the 4-bit memory's deviation
+    from full KV is bounded by that of the int8 memory (same factors) times B4 / B8 (+ the float noise of the
+    exact path, 2e-4).
+    """
+    model, _, ids, res, store8, p8, mem8, full = _setup("qwen2", n=500, **INT8_FULL, factor_bits=8)
+    m = methods.get("sekv")
+    p4 = m.resolve_params({**INT8_FULL, "factor_bits": 4})
+    store4 = Store(m.compress(res, p4))
+    assert not any(k.endswith((".us", ".vt")) for k in store4)
+    assert codec.CONFIG in store4 and codec.parse_config(store4[codec.CONFIG]) == codec.DEFAULT
+    path = tmp_path / "q4.sekv"
+    write_pack(path, {"format_version": 2, "method": "sekv", "method_params": p4}, dict(store4))
+    pack = read_pack(path)
+    for k, v in store4.items():
+        assert torch.equal(pack.get(k), v), k
+    mem4 = m.open(pack, p4, res.shape, "cpu")
+    # decoded factors are int8 like the 8-bit memory's, with identical ranks and scales
+    for (f4, _), (f8, _) in zip(mem4.factors, mem8.factors):
+        assert f4.us.dtype == f8.us.dtype == torch.int8 and f4.us.shape == f8.us.shape
+        assert torch.equal(f4.rank, f8.rank) and torch.equal(f4.us_scale, f8.us_scale)
+        assert not torch.equal(f4.us, f8.us)  # the code is lossy here: the test below is not vacuous
+    q = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(2))
+    ref = runtime.forward_logits(model, q, full.n_tokens(), full, last_only=False)
+    a8 = runtime.forward_logits(model, q, mem8.n_tokens(), mem8, last_only=False)
+    a4 = runtime.forward_logits(model, q, mem4.n_tokens(), mem4, last_only=False)
+    lv = codec.LEVELS[codec.DEFAULT["levels"]]
+    b4 = 127 * float((lv[1:] - lv[:-1]).max()) / 2 + 0.5
+    tol = float((a8 - ref).abs().max()) * b4 / 0.5 + 2e-4
+    err4 = float((a4 - ref).abs().max())
+    assert err4 <= tol, (err4, tol)
+    assert err4 > 0
+    # smaller pack, reported by describe
+    d4, d8 = m.describe(pack, p4), m.describe(store8, p8)
+    assert d4["factors"].startswith("4-bit") and d8["factors"] == "int8"
+    assert d4["factor_bytes"] < 0.62 * d8["factor_bytes"] and d4["pack_tensor_bytes"] < d8["pack_tensor_bytes"]
+
+
+def test_int8_packs_without_the_parameter_still_load(tmp_path):
+    """A pack written before factor_bits existed: plain us / vt tensors, no factor_bits in its parameters."""
+    model, _, ids, res, store, p, mem, full = _setup("qwen2", n=500, budget=0.15, min_span=10, factor_bits=8)
+    old = {k: v for k, v in p.items() if k != "factor_bits"}
+    assert "sekv.fk.0.us" in store and codec.CONFIG not in store
+    write_pack(tmp_path / "old.sekv", {"format_version": 2, "method": "sekv", "method_params": old}, dict(store))
+    pack = read_pack(tmp_path / "old.sekv")
+    mem2 = methods.get("sekv").open(pack, old, res.shape, "cpu")
+    q = torch.randint(0, 300, (1, 5))
+    assert torch.equal(runtime.forward_logits(model, q, mem.n_tokens(), mem), runtime.forward_logits(model, q, mem2.n_tokens(), mem2))
+    assert methods.get("sekv").describe(pack, old)["factors"] == "int8"
+
+
+def test_float_factors_ignore_factor_bits():
+    """factor_bits codes int8 factors only: float factors (the exactness tests' setting) stay float."""
+    *_, store, p, mem, _ = _setup("qwen2", n=300, min_span=8, factors_8bit=False, factor_dtype="float32")
+    assert p["factor_bits"] == 4 and codec.CONFIG not in store and store["sekv.fk.0.us"].dtype == torch.float32
+
+
+def test_default_packs_are_coded_and_8bit_is_an_ablation():
+    from sekv_core.bench import variants
+    from sekv_core.methods.sekv import ABLATIONS
+
+    *_, store, p, mem, _ = _setup("qwen2", n=300, min_span=8)
+    assert "sekv.fk.0.us.q4" in store and "sekv.fk.0.us" not in store
+    assert ABLATIONS["8bit-factors"] == {"factor_bits": 8}
+    v = variants.parse("sekv:8bit-factors")
+    assert methods.get("sekv").resolve_params(v.params(0.1))["factor_bits"] == 8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_compress_4bit():
+    """compress() on an accelerator encodes there (and through the host arena); the codes equal a CPU encode,
+    and a CUDA memory opened from the pack gives the CPU memory's logits."""
+    from test_sekv_method import tiny
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(-127, 128, (4099,), generator=g).to(torch.int8)
+    for levels in codec.LEVELS:
+        a, b = codec.encode(q, 32, levels), codec.encode(q.cuda(), 32, levels)
+        assert all(torch.equal(x, y.cpu()) for x, y in zip(a, b))
+    model = tiny("qwen2").cuda()
+    runtime.install(model)
+    ids = torch.randint(0, 300, (700,), generator=torch.Generator().manual_seed(1))
+    from sekv_core.prefill import prefill
+
+    res = prefill(model, ids, with_surprisal=True, chunk=256)
+    m = methods.get("sekv")
+    p = m.resolve_params({"budget": 0.2, "min_span": 10, "factor_bits": 4})
+    m.reserve_host(res.n_tokens, res.shape, p)
+    store = Store(m.compress(res, dict(p)))
+    assert "sekv.fk.0.us.q4" in store and all(t.device.type == "cpu" for t in store.values())
+    cpu_model = tiny("qwen2")
+    cpu_model.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+    runtime.install(cpu_model)
+    mem = m.open(store, p, res.shape, "cpu")
+    gmem = m.open(store, p, res.shape, "cuda")
+    gmem.batched = False  # the reference step (the batched step reads the same int8 factors: tests/test_sekv_decode.py)
+    x = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(3))
+    a = runtime.forward_logits(cpu_model, x, mem.n_tokens(), mem, last_only=False)
+    b = runtime.forward_logits(model, x.cuda(), gmem.n_tokens(), gmem, last_only=False).cpu()
+    assert torch.allclose(a, b, atol=1e-3, rtol=1e-3), (a - b).abs().max()
