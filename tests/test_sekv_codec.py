@@ -235,6 +235,8 @@ def test_cuda_compress_4bit():
     runtime.install(cpu_model)
     mem = m.open(store, p, res.shape, "cpu")
     gmem = m.open(store, p, res.shape, "cuda")
+    for (fa, _), (fg, _) in zip(mem.factors, gmem.factors):  # decoded on the GPU at open: the CPU's int8 factors
+        assert fg.us.device.type == "cpu" and torch.equal(fa.us, fg.us) and torch.equal(fa.vt, fg.vt)
     gmem.batched = False  # the reference step (the batched step reads the same int8 factors: tests/test_sekv_decode.py)
     x = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(3))
     a = runtime.forward_logits(cpu_model, x, mem.n_tokens(), mem, last_only=False)

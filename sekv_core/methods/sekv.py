@@ -124,7 +124,7 @@ class SekvMemory(KVMemory):
         self.factors: list[tuple[fz.Factors, fz.Layout]] = []
         names = set(store.keys())
         for i in range(L):
-            f = fz.stack_kv(*(self._factors(store, names, f"sekv.{kind}.{i}") for kind in ("fk", "fv")))
+            f = fz.stack_kv(*(self._factors(store, names, f"sekv.{kind}.{i}", device) for kind in ("fk", "fv")))
             self.factors.append((f, fz.Layout.of(f, self.span_len, d)))
         self.cuda = device.type == "cuda"
         # accelerators take the batched, sync-free step (sekv/decode.py); the CPU keeps the reference step
@@ -170,8 +170,9 @@ class SekvMemory(KVMemory):
         self._last_resident = self.resident_bytes()
 
     @staticmethod
-    def _factors(store: TensorStore, names: set[str], prefix: str) -> fz.Factors:
-        coded = codec.read_factors(store, names, prefix)  # factor_bits=4 packs: decoded to int8 here
+    def _factors(store: TensorStore, names: set[str], prefix: str, device=None) -> fz.Factors:
+        # factor_bits=4 packs: decoded to int8 here (on an accelerator when the memory opens on one)
+        coded = codec.read_factors(store, names, prefix, device=device)
         if coded is not None:
             return coded
         sc = f"{prefix}.us_scale" in names
