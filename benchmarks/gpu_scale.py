@@ -3,21 +3,27 @@
 Random-weight models built from real configs (Llama-3-8B shape; the embedded
 Qwen2.5-0.5B shape), bf16, batch 1.  Random weights are honest for memory and
 speed, not for quality: their routing is meaningless, so the zoom decision is
-driven at a fixed, realistic rate (--zoom-rate, the share of (query head, span)
-pairs the router expands on the real default model; docs/sekv.md) with random
-priorities, and the budget cap then applies exactly as in the product.
+driven.  Default (--routing scout, the product's default): one random span
+ranking per answer, set where the scout pass would set it; every layer keeps
+the top of it under the budget cap exactly as in the product, so the answer's
+first step fetches and rebuilds that set and the later steps reuse it.
+--routing per_layer: random gate logits at a fixed rate (--zoom-rate), redrawn
+every step and layer, the pessimistic case where every step refetches.
 
 One call through the device tool (writes JSON under $OUT; docs/gpu.md has the numbers):
 
     python benchmarks/gpu_scale.py --configs llama3-8b,qwen2.5-0.5b --contexts 8192,32768,65536,131072 \
-        --steps 8 --repeats 2 --out "$OUT"
+        --steps 32 --repeats 3 --prefault-arena --out "$OUT"
 
 Per configuration: a plain transformers prefill (SDPA, last logits only); `full` = our prefill hook
 (whole document in one forward) + decode through the hook over all of the KV; `sekv` = prefill with
-surprisal + compress (timed per stage) + open (host factor blocks) + decode through the batched step
-(per-layer CUDA graphs).  Decode: median of --repeats runs of --steps single-token steps (CUDA
-events, after a warm-up run), then one profiled step (torch.profiler): GPU-busy time, kernel count,
-top kernels.  Peak GPU memory is the decode phase's (after ingest, prefill buffers freed).
+surprisal + compress (timed per stage) + open (host factor blocks) + decode through the batched step.
+Decode modes (--modes): `eager` (the model's kernels launched one by one; sekv's part of each layer is a
+captured per-layer graph) and `graphs` (sekv_core/graphed_step.py: the whole single-token step, model and
+memory, captured once and replayed; both methods).  Per answer of --steps single-token steps (CUDA events,
+after a warm-up answer): the mean step, the steady step (median of the steps after the first) and the
+first step; then one profiled steady step (torch.profiler): GPU-busy time, kernel count, top kernels.
+Peak GPU memory is the decode phase's (after ingest, prefill buffers freed).
 """
 
 from __future__ import annotations
@@ -116,34 +122,75 @@ def gpu_busy(fn) -> dict:
             "top": [(round(t / 1000.0, 3), c, k[:60]) for t, c, k in rows[:8]]}
 
 
-def decode_bench(model, memory, steps: int, repeats: int) -> dict:
-    """Median ms per decode step (one new token), CUDA events; memory returns to its state between repeats.
-    Stats are read once per run (reading them syncs), not per step."""
+def decode_bench(model, memory, steps: int, repeats: int, graphs: bool = False, per_answer=None) -> dict:
+    """One "answer" = `steps` single-token steps from the memory's document state; the memory returns to that
+    state between answers.  Each step is timed with CUDA events.  ms_per_token: median over answers of the mean
+    step; steady_ms_per_token: median of the steps after the first (under scout routing the first one fetches
+    and rebuilds the fixed set, the others reuse it); first_step_ms likewise.  graphs: steps run through
+    GraphedStep (one captured CUDA graph per step).  per_answer(): called before each answer (e.g. a new ranking).
+    Stats are read once per answer (reading them syncs), not per step."""
+    from sekv_core.graphed_step import GraphedStep
+
     base = memory.n_tokens()
     tok = torch.tensor([[11]], device="cuda")
-    peak_resident = 0
+    graphed = GraphedStep(model, memory) if graphs else None
 
     def step():
+        if graphed is not None:
+            graphed(tok)
+            return
         memory.begin_step(1)
         runtime.forward_hidden(model, tok, memory.n_tokens(), memory)
         memory.end_step()
 
-    def one_run():
+    def one_run() -> list[float]:
         memory.truncate(base)
-        for _ in range(steps):
+        if per_answer:
+            per_answer()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        ev[0].record()
+        for k in range(steps):
             step()
+            ev[k + 1].record()
+        torch.cuda.synchronize()
+        return [ev[k].elapsed_time(ev[k + 1]) for k in range(steps)]
 
     torch.cuda.reset_peak_memory_stats()
-    per_run = cuda_ms(one_run, warmup=1, repeats=repeats)
-    peak_resident = memory.step_stats().resident_bytes  # after the last step: the largest memory of the run
-    extra = dict(memory.step_stats().extra)
+    one_run()  # warm-up (and the captures)
+    runs = [one_run() for _ in range(repeats)]
+    st = memory.step_stats()  # after the last step: the largest memory of the run
+    extra = dict(st.extra)
+    first_h2d = None
     memory.truncate(base)
-    prof = gpu_busy(step)
+    if per_answer:
+        per_answer()
+    step()
+    if "h2d_bytes_step" in memory.step_stats().extra:
+        first_h2d = memory.step_stats().extra["h2d_bytes_step"]
+    prof = gpu_busy(step)  # a steady step (the answer's second)
     memory.truncate(base)
-    ms = statistics.median(per_run) / steps
-    return {"ms_per_token": ms, "tokens_per_s": 1000.0 / ms, "peak_gpu_bytes": torch.cuda.max_memory_allocated(),
-            "resident_kv_peak_bytes": peak_resident, "gpu_busy_ms_per_token": prof["busy_ms"], "launches_per_token": prof["launches"],
-            "gpu_top_kernels": prof["top"], "stats": {k: v for k, v in extra.items() if k in ("h2d_bytes_step", "zoom_spans_step", "budget_bytes")}}
+    ms = statistics.median(statistics.mean(r) for r in runs)
+    steady = statistics.median(x for r in runs for x in r[1:]) if steps > 1 else ms
+    return {"ms_per_token": ms, "tokens_per_s": 1000.0 / ms, "steady_ms_per_token": steady, "steady_tokens_per_s": 1000.0 / steady,
+            "first_step_ms": statistics.median(r[0] for r in runs), "captures": graphed.captures if graphed else 0,
+            "peak_gpu_bytes": torch.cuda.max_memory_allocated(), "resident_kv_peak_bytes": st.resident_bytes,
+            "gpu_busy_ms_per_token": prof["busy_ms"], "launches_per_token": prof["launches"], "gpu_top_kernels": prof["top"],
+            "first_step_h2d_bytes": first_h2d,
+            "stats": {k: v for k, v in extra.items() if k in ("h2d_bytes_step", "h2d_bytes_total", "zoom_spans_step", "budget_bytes")}}
+
+
+def scout_answer(mem, seed: int = 0):
+    """Scout routing's per-answer ranking, driven: a random ranking (random weights make the real scout pass's
+    ranking meaningless too), set as prepare_question() would; the answer's first forward then fills the
+    fixed set and the other steps reuse it."""
+    g = torch.Generator().manual_seed(seed)
+
+    def per_answer():
+        mem.shared_prio.copy_(torch.randn(mem.n_spans, generator=g))
+        mem.prio_version += 1
+        mem._scout_pending = True
+
+    return per_answer
 
 
 class stage_timers:
@@ -210,6 +257,12 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=0, help="prefill chunk (0: the whole document in one forward, like the plain prefill)")
     ap.add_argument("--pin-arena", action="store_true", help="sekv: page-lock the pack's host memory during the prefill (docs/gpu.md)")
     ap.add_argument("--prefault-arena", action="store_true", help="sekv: allocate the pack's host memory and touch every page during the prefill")
+    ap.add_argument("--routing", default="scout", choices=["scout", "per_layer"],
+                    help="scout (default, as the product): one random ranking per answer, fixed set; per_layer: random gates every step")
+    ap.add_argument("--modes", default="eager,graphs", help="decode modes: eager (per-layer graphs for sekv's part), graphs (whole step captured)")
+    ap.add_argument("--factor-bits", type=int, default=8, choices=[4, 8],
+                    help="sekv pack storage of the factors (4: the at-rest codec, decoded to int8 on the CPU at open)")
+    ap.add_argument("--scout-pass", action="store_true", help="also time the scout pass (prepare_question) of a 32-token question")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     assert torch.cuda.is_available(), "needs CUDA"
@@ -221,10 +274,15 @@ def main() -> None:
     import transformers
 
     env["transformers"] = transformers.__version__
-    env["zoom_driver"] = (f"random gate logits, share {a.zoom_rate} of (query head, span) pairs above tau, redrawn every "
-                          "step and layer (no temporal locality: every step refetches its spans); budget cap as in the product")
+    modes = a.modes.split(",")
+    if a.routing == "per_layer":
+        env["zoom_driver"] = (f"per-layer routing with random gate logits, share {a.zoom_rate} of (query head, span) pairs above tau, "
+                              "redrawn every step and layer (no temporal locality: every step refetches its spans); budget cap as in the product")
+        force_zoom_rate(a.zoom_rate)
+    else:
+        env["zoom_driver"] = ("scout routing with a random span ranking per answer (what prepare_question sets); every layer keeps the "
+                              "top of it under the budget cap, as in the product; the answer's first step fetches the set, the others reuse it")
     print(json.dumps(env), flush=True)
-    force_zoom_rate(a.zoom_rate)
     for cname in a.configs.split(","):
         model = build(cname, max(contexts) + 2048)
         shape = ModelShape.of(model.config, torch.bfloat16)
@@ -249,15 +307,16 @@ def main() -> None:
                 del res
                 gc.collect()
                 torch.cuda.empty_cache()
-                r = decode_bench(model, mem, a.steps, a.repeats)
-                row.update({f"full_{k}": v for k, v in r.items()})
+                for mode in modes:
+                    r = decode_bench(model, mem, a.steps, a.repeats, graphs=mode == "graphs")
+                    row.update({f"full_{mode}_{k}": v for k, v in r.items()})
                 row["full_kv_bytes"] = n * shape.kv_bytes_per_token()
                 del mem
                 gc.collect()
                 torch.cuda.empty_cache()
                 # sekv: prefill with surprisal + compress (segment, summarise, factorise on the GPU)
                 method = methods.get("sekv")
-                params = method.resolve_params({"budget": a.budget})
+                params = method.resolve_params({"budget": a.budget, "routing": a.routing, "factor_bits": a.factor_bits})
                 torch.cuda.synchronize()
                 t = time.perf_counter()
                 if a.pin_arena or a.prefault_arena:  # prepare the pack's host memory in the background while the prefill runs
@@ -288,8 +347,20 @@ def main() -> None:
                 row["sekv_open_s"] = time.perf_counter() - t
                 gc.collect()
                 torch.cuda.empty_cache()
-                r = decode_bench(model, mem, a.steps, a.repeats)
-                row.update({f"sekv_{k}": v for k, v in r.items()})
+                per_answer = scout_answer(mem) if a.routing == "scout" else None
+                for mode in modes:
+                    r = decode_bench(model, mem, a.steps, a.repeats, graphs=mode == "graphs", per_answer=per_answer)
+                    row.update({f"sekv_{mode}_{k}": v for k, v in r.items()})
+                    print(json.dumps({"config": cname, "context": n, "mode": mode, "full_ms": row.get(f"full_{mode}_steady_ms_per_token"),
+                                      "sekv_ms": r["steady_ms_per_token"], "sekv_first_ms": r["first_step_ms"]}), flush=True)
+                if a.scout_pass and a.routing == "scout":
+                    q = torch.randint(100, 20000, (1, 32), device="cuda")
+                    mem.truncate(mem.n_tokens())
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    mem.prepare_question(lambda: runtime.forward_hidden(model, q, mem.n_tokens(), mem))
+                    torch.cuda.synchronize()
+                    row["sekv_scout_pass_s"] = time.perf_counter() - t
                 st = r["stats"]
                 row["sekv_h2d_bytes_per_step"] = st.get("h2d_bytes_step")
                 row["sekv_zoom_spans_step"] = st.get("zoom_spans_step")
@@ -310,6 +381,7 @@ def main() -> None:
             model.config._attn_implementation = "sdpa"
             print(json.dumps(row), flush=True)
             rows.append(row)
+            (out_dir / "gpu_scale.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))  # so far
         del model
         gc.collect()
         torch.cuda.empty_cache()

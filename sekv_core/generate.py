@@ -10,6 +10,7 @@ import psutil
 import torch
 
 from . import runtime
+from .graphed_step import GraphedStep
 from .methods.base import KVMemory
 
 
@@ -45,8 +46,19 @@ def generate(
     stop_ids: set[int],
     on_token: Callable[[int], None] | None = None,
     on_step: Callable[[KVMemory], None] | None = None,
+    graphs: bool | None = None,
 ) -> tuple[list[int], DecodeStats]:
+    """Greedy answer to question_ids from a memory.  graphs: run single-token steps through GraphedStep (one
+    captured CUDA graph per step; on the CPU the same static path, eagerly) when the memory supports it;
+    None = on CUDA."""
     device = next(model.parameters()).device
+    if graphs is None:
+        graphs = device.type == "cuda"
+    graphed = None
+    if graphs and GraphedStep.supported(model, memory):  # one per (memory, model), kept: its graph serves later asks
+        graphed = getattr(memory, "_graphed_step", None)
+        if graphed is None or graphed.model is not model:
+            graphed = memory._graphed_step = GraphedStep(model, memory)
     stats = DecodeStats(question_tokens=len(question_ids))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -58,11 +70,14 @@ def generate(
     peak = 0
     memory.prepare_question(lambda: runtime.forward_hidden(model, ids, memory.n_tokens(), memory))
     while True:
-        memory.begin_step(ids.shape[1])
-        hidden = runtime.forward_hidden(model, ids, memory.n_tokens(), memory)
+        if graphed is not None and ids.shape[1] == 1:
+            hidden = graphed(ids)
+        else:
+            memory.begin_step(ids.shape[1])
+            hidden = runtime.forward_hidden(model, ids, memory.n_tokens(), memory)
+            memory.end_step()
         with torch.inference_mode():
             nxt = int(head(hidden[:, -1]).argmax(-1).item())
-        memory.end_step()
         peak = max(peak, memory.step_stats().resident_bytes)
         if on_step:
             on_step(memory)

@@ -177,7 +177,7 @@ def test_fixed_set_is_fetched_once_and_reused_exactly(monkeypatch):
     reuse, refill = batched(), batched()
     a, h2d = _ask_logits(model, reuse, QUESTION, 6)
     assert h2d[0] > 0 and h2d[1:] == [0] * 5  # fetched for the question's forward only
-    assert all(k == (reuse._dec.U, reuse.prio_version) for k in reuse._dec.fx_key)
+    assert all(k == reuse._dec.fixed_key() for k in reuse._dec.fx_key) and reuse._dec.fixed_key()[1] == reuse.prio_version
     x = reuse.step_stats().extra
     monkeypatch.setattr(decode.BatchedDecoder, "reusable", lambda self, layer: False)
     b, h2d = _ask_logits(model, refill, QUESTION, 6)
@@ -190,8 +190,49 @@ def test_fixed_set_is_fetched_once_and_reused_exactly(monkeypatch):
     assert 0 < x["zoom_spans_total"] < reuse.n_spans  # the cap binds
     c, _ = _ask_logits(model, ref, QUESTION, 6)
     assert torch.equal(a.argmax(-1), c.argmax(-1))
+    # the batched scout pass (factor blocks) ranks like the reference one (CPU factor gather)
+    assert torch.allclose(reuse.shared_prio, ref.shared_prio, atol=1e-3), (reuse.shared_prio - ref.shared_prio).abs().max()
     # a new question (a new ranking) refills
     monkeypatch.undo()
     reuse.truncate(600)
     _, h2d = _ask_logits(model, reuse, QUESTION[::-1], 2)
     assert h2d[0] > 0 and h2d[1] == 0
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_fixed_set_attention_equals_reference_step(kind, monkeypatch):
+    """The batched fixed-set path (per-group share of the cap, rows in the annex, one SDPA over resident memory
+    and rows) against the reference step (CPU, per-pair cap, explicit mixed mask) given the same ranking and the
+    cap that keeps the same pairs: same logits, same spans."""
+    from sekv_core.methods import sekv as sekv_method
+
+    model, res, store, p, ref = _memory(kind, n=600, budget=0.5, min_span=10, window=16)
+    fast = methods.get("sekv").open(store, p, res.shape, "cpu")
+    fast.batched = True
+    ids = torch.tensor([QUESTION])
+    fast.prepare_question(lambda: runtime.forward_hidden(model, ids, fast.n_tokens(), fast))
+    ref.shared_prio.copy_(fast.shared_prio)  # the same ranking (the two scout passes differ by ~1e-4)
+    ref._scout_ready, ref.prio_version = True, fast.prio_version
+    a = [runtime.forward_logits(model, ids, fast.n_tokens(), fast, last_only=False)]
+    per_group = fast._dec.fx_n[0]
+    assert 0 < int(per_group.min()) and int(per_group.max()) < fast._dec.U // fast.shape.n_kv_heads + 1
+    assert all(torch.equal(n, per_group) for n in fast._dec.fx_n)
+    cap_bytes = int(per_group.sum()) * ref.entry_bytes  # the reference keeps (g0, i1), (g1, i1), (g0, i2), ... to here
+    inner = sekv_method.SekvMemory._begin_forward
+
+    def begin(self, n_new):
+        inner(self, n_new)
+        if self is ref:
+            self._cap = cap_bytes
+
+    monkeypatch.setattr(sekv_method.SekvMemory, "_begin_forward", begin)
+    b = [runtime.forward_logits(model, ids, ref.n_tokens(), ref, last_only=False)]
+    for _ in range(4):
+        nxt = b[-1][:, -1:].argmax(-1)
+        a.append(runtime.forward_logits(model, nxt, fast.n_tokens(), fast))
+        b.append(runtime.forward_logits(model, nxt, ref.n_tokens(), ref))
+    for x, y in zip(a, b):
+        assert torch.allclose(x, y, atol=1e-5, rtol=1e-5), (x - y).abs().max()
+    sx, sy = fast.step_stats().extra, ref.step_stats().extra
+    assert sx["span_zoom_counts"] == sy["span_zoom_counts"] and 0 < sx["zoom_spans_total"] < fast.n_spans
+    assert sx["h2d_bytes_step"] == 0 and sy["h2d_bytes_step"] >= 0

@@ -15,9 +15,10 @@ GPU-resident KV* of a decoding step, the same accounting for every method.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Hashable, Mapping, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -141,18 +142,61 @@ class KVMemory(ABC):
     def end_step(self) -> None:
         """Called after each forward."""
 
+    # -- single-token steps replayed from one captured CUDA graph (sekv_core/graphed_step.py) ------------------
+
+    def static_supported(self) -> bool:
+        """Whether single-token steps can run in static mode (and so be captured as one CUDA graph)."""
+        return False
+
+    def static_begin(self) -> None:
+        """Host side of a static single-token step, before it runs: bookkeeping, capacity for the new token,
+        device scalars (where it is written, what is visible)."""
+        raise NotImplementedError
+
+    def static_key(self) -> Hashable:
+        """What a step captured now would have fixed (buffers, sizes, host-side decisions): a captured step
+        stays valid while this is unchanged.  No side effects."""
+        raise NotImplementedError
+
+    def static_end(self) -> None:
+        """Host side after a static step ran (the new token is in; host counters move on)."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def static_mode(self):
+        """While active, attend() handles one new token with device-side positions only (capturable)."""
+        raise NotImplementedError
+        yield
+
 
 class GrowingKV:
     """Preallocated per-layer K/V buffers that new tokens are appended to.
 
     Used for the full cache and for every method's full-resolution tail (the
     question and generated tokens).  Capacity grows by doubling.
+
+    An *annex* of A rows may follow the capacity in the same allocation
+    (``set_annex``): a method's own extra entries (sekv: the reconstructed tokens of
+    a fixed zoom set, sekv/decode.py), so that one attention call covers
+    ``joint(layer)`` = appended tokens, capacity and annex.  ``k[layer]`` /
+    ``v[layer]`` are views of the first ``capacity`` rows.  ``generation`` counts
+    reallocations (the annex's contents do not survive one).
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype, device, capacity: int = 256):
-        self.k = [torch.empty(1, n_kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.empty_like(t) for t in self.k]
+        # zeros, not empty: static steps attend over the whole capacity with a mask, and a masked entry's
+        # value still enters the product (0 x NaN garbage would be NaN)
+        self.annex = 0
+        self.generation = 0
+        self.jk = [torch.zeros(1, n_kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.jv = [torch.zeros_like(t) for t in self.jk]
+        self.k = list(self.jk)
+        self.v = list(self.jv)
         self.len = [0] * n_layers
+        #: static mode (single-token steps captured as a CUDA graph): appends write at the device position
+        #: ``pos`` and leave the host lengths to ``advance()``
+        self.static = False
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
 
     @classmethod
     def from_tensors(cls, keys: list[torch.Tensor], values: list[torch.Tensor], device, extra: int = 256) -> "GrowingKV":
@@ -164,18 +208,74 @@ class GrowingKV:
             g.len[i] = n
         return g
 
+    def load_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, extra: int) -> None:
+        """Replace a layer's contents by k / v [Hkv, n, d] (layers may differ in length), with `extra` capacity."""
+        n = k.shape[1]
+        self.jk[layer] = self.k[layer] = k.new_zeros(1, k.shape[0], n + extra, k.shape[2], device=self.pos.device)
+        self.jv[layer] = self.v[layer] = torch.zeros_like(self.k[layer])
+        self.k[layer][0, :, :n].copy_(k)
+        self.v[layer][0, :, :n].copy_(v)
+        self.len[layer] = n
+
     def append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append q new tokens; returns the layer's keys / values so far.  Static mode (q = 1): writes at the
+        device position and returns the whole capacity (entries past the position are to be masked)."""
+        if self.static:
+            self.k[layer].index_copy_(2, self.pos, key)
+            self.v[layer].index_copy_(2, self.pos, value)
+            return self.k[layer], self.v[layer]
         n, q = self.len[layer], key.shape[-2]
-        if n + q > self.k[layer].shape[-2]:
-            cap = max(2 * self.k[layer].shape[-2], n + q)
-            for buf in (self.k, self.v):
-                new = buf[layer].new_empty(*buf[layer].shape[:2], cap, buf[layer].shape[-1])
-                new[:, :, :n] = buf[layer][:, :, :n]
-                buf[layer] = new
+        self.reserve(layer, n + q)
         self.k[layer][:, :, n : n + q] = key
         self.v[layer][:, :, n : n + q] = value
         self.len[layer] = n + q
         return self.k[layer][:, :, : n + q], self.v[layer][:, :, : n + q]
+
+    def _realloc(self, layer: int, cap: int, annex: int) -> None:
+        m = self.len[layer]
+        for j, views in ((self.jk, self.k), (self.jv, self.v)):
+            old = views[layer]
+            new = old.new_zeros(old.shape[0], old.shape[1], cap + annex, old.shape[3])
+            new[:, :, :m] = old[:, :, :m]
+            j[layer] = new
+            views[layer] = new[:, :, :cap]
+        self.generation += 1
+
+    def reserve(self, layer: int, n: int) -> None:
+        """Capacity for n tokens in a layer (doubling; a new buffer, so captured graphs must be recaptured)."""
+        if n > self.k[layer].shape[-2]:
+            self._realloc(layer, max(2 * self.k[layer].shape[-2], n), self.annex)
+
+    def set_annex(self, rows: int) -> None:
+        """An annex of `rows` entries after every layer's capacity (reallocates when it changes; zeros)."""
+        if rows != self.annex:
+            self.annex = rows
+            for layer in range(len(self.k)):
+                self._realloc(layer, self.k[layer].shape[-2], rows)
+
+    def annex_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The annex rows of a layer: views [1, Hkv, A, d]."""
+        cap = self.k[layer].shape[-2]
+        return self.jk[layer][:, :, cap:], self.jv[layer][:, :, cap:]
+
+    def static_begin(self) -> None:
+        """Before a static step: room for one more token in every layer, the device position set."""
+        n = self.len[0]
+        for layer in range(len(self.k)):
+            self.reserve(layer, n + 1)
+        self.pos.fill_(n)
+
+    def static_key(self) -> tuple:
+        """The buffers' identity: a graph captured over other buffers is stale."""
+        return tuple(t.data_ptr() for t in self.k + self.v) + (self.k[0].shape[-2],)
+
+    def static_mask(self) -> torch.Tensor:
+        """[1, 1, 1, capacity] bool: the entries a static step's query sees (up to and including its own)."""
+        cap = self.k[0].shape[-2]
+        return (torch.arange(cap, device=self.pos.device) <= self.pos).view(1, 1, 1, cap)
+
+    def advance(self, q: int = 1) -> None:
+        self.len = [x + q for x in self.len]
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.len[layer]
@@ -185,7 +285,7 @@ class GrowingKV:
         self.len = [min(x, n) for x in self.len]
 
     def nbytes(self) -> int:
-        """Bytes in use (not capacity)."""
+        """Bytes in use (not capacity, not the annex: its owner counts it)."""
         per = self.k[0].shape[1] * self.k[0].shape[3] * self.k[0].element_size() * 2
         return sum(self.len) * per
 

@@ -6,7 +6,10 @@ pack are token-for-token those of a plain prefill of document + question.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.nn.functional as F
 
 from .base import CacheMethod, GrowingKV, KVMemory, ModelShape, PrefillResult, TensorStore, causal_attention
 
@@ -22,7 +25,30 @@ class FullMemory(KVMemory):
 
     def attend(self, layer, query, key, value, scaling):
         keys, values = self.kv.append(layer, key, value)
+        if self.kv.static:  # the whole capacity, masked past the new token
+            mask = self.kv.static_mask()
+            return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=keys.shape[1] != query.shape[1])
         return causal_attention(query, keys, values, scaling, query.shape[-2])
+
+    def static_supported(self) -> bool:
+        return True
+
+    def static_begin(self) -> None:
+        self.kv.static_begin()
+
+    def static_key(self):
+        return self.kv.static_key()
+
+    def static_end(self) -> None:
+        self.kv.advance(1)
+
+    @contextlib.contextmanager
+    def static_mode(self):
+        self.kv.static = True
+        try:
+            yield
+        finally:
+            self.kv.static = False
 
     def n_tokens(self) -> int:
         return self.kv.len[-1]

@@ -200,12 +200,7 @@ class EvictedMemory(KVMemory):
     def from_kept(cls, keys: list[torch.Tensor], values: list[torch.Tensor], n_doc: int, shape: ModelShape, device, extra: int = 256):
         kv = GrowingKV(shape.n_layers, shape.n_kv_heads, shape.head_dim, shape.dtype, device, capacity=1)
         for i, (k, v) in enumerate(zip(keys, values)):
-            n = k.shape[1]
-            kv.k[i] = torch.empty(1, shape.n_kv_heads, n + extra, shape.head_dim, dtype=shape.dtype, device=device)
-            kv.v[i] = torch.empty_like(kv.k[i])
-            kv.k[i][0, :, :n].copy_(k)
-            kv.v[i][0, :, :n].copy_(v)
-            kv.len[i] = n
+            kv.load_layer(i, k.to(device, shape.dtype), v.to(device, shape.dtype), extra)
         return cls(kv, [k.shape[1] for k in keys], n_doc, shape)
 
     def attend(self, layer, query, key, value, scaling):

@@ -25,6 +25,7 @@ Pack tensors (all prefixed ``sekv.``; L layers):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from pathlib import Path
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from ..sekv import codec
+from ..sekv import blocks as fb
 from ..sekv import factorize as fz
 from ..sekv import rope, router, scout
 from ..sekv.decode import BatchedDecoder
@@ -161,6 +163,7 @@ class SekvMemory(KVMemory):
         self._scouting = False
         self._scout_sum = None
         self.prio_version = 0  # bumped with every new ranking: the batched step's fixed sets are keyed on it
+        self.truncations = 0
         # the ranking holds for the ask that follows prepare_question(); a forward of an ask without one (a
         # caller that bypasses generate()) routes per layer on the CPU step
         self._scout_pending = self._scout_ready = False
@@ -191,6 +194,7 @@ class SekvMemory(KVMemory):
 
     def truncate(self, n_tokens: int) -> None:
         self.kv.truncate(self.n_base + max(0, n_tokens - self.n_doc))
+        self.truncations += 1  # a fixed set's mask must hide the dropped tokens again (sekv/decode.py)
         self._stats_stale = True  # this ask's stats stay readable until the next forward starts
 
     def resident_bytes(self) -> int:
@@ -264,6 +268,11 @@ class SekvMemory(KVMemory):
         q = query[0].float().reshape(hkv, -1, d)  # [Hkv, G*T, d]: a group's heads and tokens
         k_full = torch.cat([self.kv.k[layer][0, :, : self.n_full], self.kv.k[layer][0, :, self.n_base : self.kv.len[layer]]], 1)
         other = torch.logsumexp(torch.bmm(q, k_full.float().transpose(1, 2)) * scaling, dim=-1)  # [Hkv, G*T]
+        if self._dec is not None:  # the batched step's blocks: gathered on the device, no host work per chunk
+            lse, grp, sid = self._scout_blocks(layer, q, scaling)
+            mass = scout.layer_mass(lse, grp, sid, other, self.n_spans)
+            self._scout_sum += scout.zscore(mass)
+            return
         # spans in chunks of about the layer's zoom budget in reconstructed keys (at least one span)
         per_span = hkv * int(self.span_len.max()) * d * 4
         chunk = max(1, int((self._cap or per_span) // per_span))
@@ -278,6 +287,25 @@ class SekvMemory(KVMemory):
             sid.append(idv)
         mass = scout.layer_mass(torch.cat(lse), torch.cat(grp), torch.cat(sid), other, self.n_spans)
         self._scout_sum += scout.zscore(mass)
+
+    def _scout_blocks(self, layer: int, q: torch.Tensor, scaling: float):
+        """The scout pass's span logsumexps from the batched step's factor blocks, in chunks of as many
+        (group, span) pairs as a step may fetch (the step's own transient workspace, in float32)."""
+        dec, S = self._dec, self.n_spans
+        b = dec.blocks[layer]
+        n_pairs = self.shape.n_kv_heads * S
+        chunk = max(dec.P, 64)
+        lse, grp, sid = [], [], []
+        for a in range(0, n_pairs, chunk):
+            pair = torch.arange(a, min(a + chunk, n_pairs), device=self.device)
+            rows, _ = fb.fetch(b, pair, torch.ones_like(pair, dtype=torch.bool))
+            us, vt = fb.unpack(b, rows, torch.float32)
+            g, i = pair // S, pair % S
+            keys = self._rope_rows(torch.matmul(us[:, 0], vt[:, 0]), i)  # [P, n_max, d]; rows past n_i are masked
+            lse.append(scout.span_logsumexp(q, keys, self.span_len_dev[i], g, scaling))
+            grp.append(g)
+            sid.append(i)
+        return torch.cat(lse), torch.cat(grp), torch.cat(sid)
 
     def _span_rows(self, layer: int, g: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
         """Keys of (group g, span i) blocks rebuilt from the factors, post-RoPE: [E, n_max, d] float32."""
@@ -323,8 +351,32 @@ class SekvMemory(KVMemory):
         with fz.single_thread():
             return self._attend(layer, query, key, value, scaling)
 
+    def static_supported(self) -> bool:
+        return self.batched  # the batched step has no host sync (sekv/decode.py)
+
+    def static_begin(self) -> None:
+        if self._dec is None:
+            self._dec = BatchedDecoder(self)
+        self.kv.static_begin()
+        self._begin_forward(1)
+        self._dec.static_begin()
+
+    def static_key(self):
+        return self.kv.static_key() + self._dec.static_key()
+
+    def static_end(self) -> None:
+        self.kv.advance(1)
+
+    @contextlib.contextmanager
+    def static_mode(self):
+        self.kv.static = True
+        try:
+            yield
+        finally:
+            self.kv.static = False
+
     def _attend(self, layer, query, key, value, scaling):
-        if layer == 0:
+        if layer == 0 and not self.kv.static:  # static steps: static_begin() did it
             self._begin_forward(query.shape[-2])
         if self.batched:
             if self._dec is None:
