@@ -274,6 +274,14 @@ class GrowingKV:
         cap = self.k[0].shape[-2]
         return (torch.arange(cap, device=self.pos.device) <= self.pos).view(1, 1, 1, cap)
 
+    @contextlib.contextmanager
+    def static_mode(self):
+        self.static = True
+        try:
+            yield
+        finally:
+            self.static = False
+
     def advance(self, q: int = 1) -> None:
         self.len = [x + q for x in self.len]
 

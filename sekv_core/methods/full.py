@@ -6,8 +6,6 @@ pack are token-for-token those of a plain prefill of document + question.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
@@ -42,13 +40,8 @@ class FullMemory(KVMemory):
     def static_end(self) -> None:
         self.kv.advance(1)
 
-    @contextlib.contextmanager
     def static_mode(self):
-        self.kv.static = True
-        try:
-            yield
-        finally:
-            self.kv.static = False
+        return self.kv.static_mode()
 
     def n_tokens(self) -> int:
         return self.kv.len[-1]

@@ -25,7 +25,6 @@ Pack tensors (all prefixed ``sekv.``; L layers):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from pathlib import Path
@@ -367,13 +366,8 @@ class SekvMemory(KVMemory):
     def static_end(self) -> None:
         self.kv.advance(1)
 
-    @contextlib.contextmanager
     def static_mode(self):
-        self.kv.static = True
-        try:
-            yield
-        finally:
-            self.kv.static = False
+        return self.kv.static_mode()
 
     def _attend(self, layer, query, key, value, scaling):
         if layer == 0 and not self.kv.static:  # static steps: static_begin() did it
