@@ -11,11 +11,15 @@ factors stored as int8 (today's packs) or through the codec.  Per variant: facto
 bytes of the spans, relative key error (post-RoPE), value error, and the relative attention-output
 error of the question's queries when every span is its reconstruction, averaged over layers.
 Variants: ``int8``, or ``LEVELS-gGROUP-ORDER[-leadK]`` (e.g. ``nf4-g32-col-lead1``: codec.LEVELS, group
-size, ``us`` order, leading ``vt`` rows per block kept int8; sekv/codec.py), optionally ``@k`` / ``@kus`` /
-``@kvt`` / ``@v``: only the keys' factors / the keys' us / the keys' vt / the values' factors coded.  A plain ``fp16`` row is the unquantised reference.
+size, ``us`` order, leading ``vt`` rows per block kept int8, ``-s8``: row scales log8; sekv/codec.py), optionally
+``@k`` / ``@kus`` / ``@kvt`` / ``@v``: only the keys' factors / the keys' us / the keys' vt / the values' factors
+coded; or ``KVARIANT+VVARIANT``: the keys' factors through one variant, the values' through another
+(e.g. ``nf4-g32-col-lead1+nf3-g32-col-lead1``).  A plain ``fp16`` row is the unquantised reference.
 
 ``essay N FILE``: the first N qwen tokens of pg_essays/worked.txt as a text file (temporary documents);
-``packs DOC... --out DIR``: ingest each document with sekv at factor_bits 8 and 4 (one shared prefill).
+``packs DOC... --out DIR [--bits 8,4] [--set TAG:KEY=VALUE,...]``: ingest each document with sekv at each
+factor_bits (one shared prefill), with the defaults and each further set of integer parameters (e.g.
+``--set .v4s16:value_bits=4,scale_bits=16``, the storage of ``sekv:4bit-factors``).
 
 Usage:
     python benchmarks/factor_codec.py essay 4000 /tmp/pg4k.txt
@@ -44,11 +48,11 @@ from sekv_core.sekv.segment import auto_lengths, segment  # noqa: E402
 
 _SIZES = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8}
 GROUPS = [
-    (r"sekv\.f[kv]\.\d+\.(us|us\.q4)$", "factors us"),
-    (r"sekv\.f[kv]\.\d+\.(vt|vt\.q4)$", "factors vt"),
-    (r"sekv\.f[kv]\.\d+\.(us|vt)\.q4m$", "factors group absmax"),
+    (r"sekv\.f[kv]\.\d+\.(us|us\.q[34])$", "factors us"),
+    (r"sekv\.f[kv]\.\d+\.(vt|vt\.q[34])$", "factors vt"),
+    (r"sekv\.f[kv]\.\d+\.(us|vt)\.q[34]m$", "factors group absmax"),
     (r"sekv\.f[kv]\.\d+\.vt\.lead$", "factors vt leading rows (int8)"),
-    (r"sekv\.f[kv]\.\d+\.(us|vt)_scale$", "factors row scales"),
+    (r"sekv\.f[kv]\.\d+\.(us|vt)_scale(\.l8p?)?$", "factors row scales"),
     (r"sekv\.f[kv]\.\d+\.rank$", "factors ranks"),
     (r"sekv\.full\.", "full-resolution K/V"),
     (r"sekv\.coarse\.", "coarse K/V"),
@@ -56,6 +60,13 @@ GROUPS = [
     (r"sekv\.router\.tw\.", "router W (trained copy)"),
     (r"sekv\.router\.norm\.", "router norms"),
 ]
+
+
+def _group(name: str) -> str:
+    g = next((g for rx, g in GROUPS if re.match(rx, name)), "other")
+    if g.startswith("factors") and g != "factors ranks":  # keys' and values' factors apart (their codes may differ)
+        g += " (K)" if name.startswith("sekv.fk.") else " (V)"
+    return g
 
 
 def breakdown(paths: list[Path]) -> None:
@@ -70,8 +81,12 @@ def breakdown(paths: list[Path]) -> None:
             for k in f.keys():
                 sl = f.get_slice(k)
                 nb = math.prod(sl.get_shape()) * _SIZES[sl.get_dtype()]
-                groups[next((g for rx, g in GROUPS if re.match(rx, k)), "other")] += nb
-            cfg = codec.parse_config(f.get_tensor(codec.CONFIG)) if codec.CONFIG in f.keys() else None
+                groups[_group(k)] += nb
+            names = set(f.keys())
+            cfg = codec.parse_config(f.get_tensor(codec.CONFIG)) if codec.CONFIG in names else None
+            vname = codec.config_name("fv")
+            if vname in names:
+                cfg = {"keys": cfg, "values": codec.parse_config(f.get_tensor(vname))}
         total = sum(groups.values())
         raw = manifest["sizes"]["raw_kv_fp16_bytes"]
         codec_s = f"factor_bits={manifest['method_params'].get('factor_bits', 8)}" + (f", {cfg}" if cfg else "")
@@ -107,8 +122,9 @@ def essay(n_tokens: int, out: Path, model: str) -> None:
     print(f"{out}: {len(ids)} tokens of worked.txt")
 
 
-def packs(docs: list[Path], out_dir: Path, model: str, bits: list[int]) -> None:
-    """Ingest each document once per factor_bits value (one prefill per document, shared): packs in out_dir."""
+def packs(docs: list[Path], out_dir: Path, model: str, bits: list[int], sets: list[tuple[str, dict]] | None = None) -> None:
+    """Ingest each document once per factor_bits value and parameter set (one prefill per document, shared): packs
+    in out_dir; ``sets``: (tag added to the file name, further sekv parameters), default one empty set."""
     from sekv_core import ingest as ing
     from sekv_core import models
 
@@ -127,8 +143,8 @@ def packs(docs: list[Path], out_dir: Path, model: str, bits: list[int]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         for doc in docs:
-            for b in bits:
-                r = ing.ingest(doc, out_dir / f"{doc.stem}.b{b}.sekv", lm=lm, method="sekv", params={"factor_bits": b})
+            for b, (tag, extra) in ((b, st) for b in bits for st in (sets or [("", {})])):
+                r = ing.ingest(doc, out_dir / f"{doc.stem}.b{b}{tag}.sekv", lm=lm, method="sekv", params={"factor_bits": b, **extra})
                 print(f"{r.pack_path}: {r.n_tokens} tokens, factor_bits={b}, file {r.pack_bytes:,} B = {r.pack_bytes / r.raw_kv_fp16_bytes:.4f} of raw fp16 KV, "
                       f"prefill {r.prefill_s:.1f} s, compress {r.compress_s:.2f} s")
     finally:
@@ -136,9 +152,18 @@ def packs(docs: list[Path], out_dir: Path, model: str, bits: list[int]) -> None:
 
 
 def parse_variant(variant: str) -> dict:
-    """``LEVELS-gGROUP-ORDER[-leadK]`` -> codec keyword arguments (lead 0 when not given)."""
+    """``LEVELS-gGROUP-ORDER[-leadK][-s8]`` -> codec keyword arguments (lead 0 when not given; ``-s8``: row scales
+    ``log8``, else fp16)."""
     parts = variant.split("-")
-    return {"levels": parts[0], "group": int(parts[1].removeprefix("g")), "order": parts[2], "lead": int(parts[3].removeprefix("lead")) if len(parts) > 3 else 0}
+    kw = {"levels": parts[0], "group": int(parts[1].removeprefix("g")), "order": parts[2], "lead": 0, "scales": "fp16"}
+    for x in parts[3:]:
+        if x.startswith("lead"):
+            kw["lead"] = int(x.removeprefix("lead"))
+        elif x == "s8":
+            kw["scales"] = "log8"
+        else:
+            raise SystemExit(f"variant {variant!r}: unknown part {x!r}")
+    return kw
 
 
 def roundtrip(f: fz.Factors, span_len: torch.Tensor, d: int, variant: str, parts: tuple[str, ...] = ("us", "vt")) -> tuple[fz.Factors, int]:
@@ -150,19 +175,20 @@ def roundtrip(f: fz.Factors, span_len: torch.Tensor, d: int, variant: str, parts
     t = codec.encode_factors(f, span_len, d, **kw)
     g = codec.decode_factors(t, span_len, d, **kw)
     size = lambda *ks: sum(t[k].numel() * t[k].element_size() for k in ks)  # noqa: E731
-    nbytes = size("rank", "us_scale", "vt_scale")
-    nbytes += size("us.q4", "us.q4m") if "us" in parts else f.us.numel()
-    nbytes += size("vt.q4", "vt.q4m", "vt.lead") if "vt" in parts else f.vt.numel()
+    cus, mus, cvt, mvt = codec.code_names(kw["levels"])
+    nbytes = size("rank", *codec.scale_names(kw["scales"]))
+    nbytes += size(cus, mus) if "us" in parts else f.us.numel()
+    nbytes += size(cvt, mvt, "vt.lead") if "vt" in parts else f.vt.numel()
     us = g.us if "us" in parts else f.us
     vt = g.vt if "vt" in parts else f.vt
-    return fz.Factors(us, vt, f.rank, f.us_scale, f.vt_scale), nbytes
+    return fz.Factors(us, vt, f.rank, g.us_scale, g.vt_scale), nbytes
 
 
 #: ``VARIANT@WHAT``: code only these tensors (K's us / vt, V's us / vt); without ``@``: all four
 ONLY = {"k": (("us", "vt"), ()), "kus": (("us",), ()), "kvt": (("vt",), ()), "v": ((), ("us", "vt"))}
 
 
-def errors(case, variants: list[str], budget: float = 0.10) -> None:
+def errors(case, variants: list[str], budget: float = 0.10, energy_k: float | None = None, energy_v: float | None = None, rank_max_v: int = 32) -> None:
     shape = case["shape"]
     d = shape.head_dim
     s = case["surprisal"]
@@ -172,11 +198,12 @@ def errors(case, variants: list[str], budget: float = 0.10) -> None:
     span_len = seg.span_len
     inv = rope.inv_freq_of(shape)
     cos, sin = rope.cos_sin(pos, inv, shape.rope_attention_scaling, dtype=case["keys"][0].dtype)
-    ek, ev = DEFAULTS["energy_k"], DEFAULTS["energy_v"]
+    ek = DEFAULTS["energy_k"] if energy_k is None else energy_k
+    ev = DEFAULTS["energy_v"] if energy_v is None else energy_v
     rows = ["fp16"] + variants
     acc = {v: defaultdict(float) for v in rows}
     L = shape.n_layers
-    print(f"N={s.numel()}  spans={seg.n_spans}  compressed tokens={pos.numel()}  energy {ek} / {ev}, rank <= 32, pre-RoPE keys\n")
+    print(f"N={s.numel()}  spans={seg.n_spans}  compressed tokens={pos.numel()}  energy {ek} / {ev}, rank <= 32 (values <= {rank_max_v}), pre-RoPE keys\n")
     for li in range(L):
         kpost, vall = case["keys"][li].float(), case["values"][li].float()
         kp, vp = kpost[:, pos], vall[:, pos]
@@ -186,12 +213,15 @@ def errors(case, variants: list[str], budget: float = 0.10) -> None:
         o = attn(q, kpost, vall, d**-0.5)
         with fz.single_thread():
             base = {
-                "fp16": (fz.factorize(kpre, span_len, energy=ek, rank_max=32), fz.factorize(vp, span_len, energy=ev, rank_max=32)),
-                "int8": (fz.factorize(kpre, span_len, energy=ek, rank_max=32, int8=True), fz.factorize(vp, span_len, energy=ev, rank_max=32, int8=True)),
+                "fp16": (fz.factorize(kpre, span_len, energy=ek, rank_max=32), fz.factorize(vp, span_len, energy=ev, rank_max=rank_max_v)),
+                "int8": (fz.factorize(kpre, span_len, energy=ek, rank_max=32, int8=True), fz.factorize(vp, span_len, energy=ev, rank_max=rank_max_v, int8=True)),
             }
         for v in rows:
             if v == "fp16":
                 (fk, bk), (fv, bv) = ((f, f.nbytes()) for f in base["fp16"])
+            elif "+" in v:  # KEYS_VARIANT+VALUES_VARIANT
+                nk, nv = v.split("+")
+                (fk, bk), (fv, bv) = roundtrip(base["int8"][0], span_len, d, nk), roundtrip(base["int8"][1], span_len, d, nv)
             else:
                 name, _, only = v.partition("@")
                 pk, pv = ONLY[only] if only else (("us", "vt"), ("us", "vt"))
@@ -228,11 +258,17 @@ def main():
     p.add_argument("--out", type=Path, default=Path("/tmp/factor_codec_packs"))
     p.add_argument("--model", default="qwen2.5-0.5b")
     p.add_argument("--bits", default="8,4")
+    p.add_argument("--set", action="append", default=None,
+                   help="TAG:KEY=VALUE,...: one more pack per document and bits with these sekv parameters, TAG added to its "
+                        "name (e.g. .v4s16:value_bits=4,scale_bits=16); repeatable; none: the defaults only")
     e = sub.add_parser("errors", help="factor error, int8 vs codec variants")
     e.add_argument("--model", default="qwen2.5-0.5b")
     e.add_argument("--tokens", type=int, default=4096)
     e.add_argument("--budget", type=float, default=0.10)
     e.add_argument("--cache", type=Path, default=Path("/tmp/sekv_bench"))
+    e.add_argument("--energy-k", type=float, default=None, help="rank rule for keys (default: sekv's, 0.99)")
+    e.add_argument("--energy-v", type=float, default=None, help="rank rule for values (default: sekv's, 0.99)")
+    e.add_argument("--rank-max-v", type=int, default=32, help="largest value rank (sekv: rank_max = 32 for both)")
     e.add_argument("--variants", default="int8,int4-g32-row,nf4-g32-row,nf4-g32-col,nf4-g32-col-lead1,int4-g32-col-lead1,nf4-g16-col-lead1,nf4-g64-col-lead1,nf4-g32-col-lead2")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -243,11 +279,14 @@ def main():
         essay(args.tokens, args.out, args.model)
         return
     if args.cmd == "packs":
-        packs(args.docs, args.out, args.model, [int(b) for b in args.bits.split(",")])
+        sets = None
+        if args.set:
+            sets = [("", {})] + [(t, {k: int(v) for k, v in (x.split("=") for x in kv.split(",") if x)}) for t, _, kv in (a.partition(":") for a in args.set)]
+        packs(args.docs, args.out, args.model, [int(b) for b in args.bits.split(",")], sets)
         return
     case = load_case(args.model, args.tokens, args.cache)
     print(f"## {args.model}, {args.tokens} tokens\n")
-    errors(case, args.variants.split(","), args.budget)
+    errors(case, args.variants.split(","), args.budget, args.energy_k, args.energy_v, args.rank_max_v)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ def ingest(
     router: str = RouterOpt,
     routing: str = RoutingOpt,
     factor_bits: int = typer.Option(
-        None, "--factor-bits", help="sekv: factor storage in the pack, 4 (default: 4-bit at rest, int8 again in memory) or 8 (int8, as before)"
+        None, "--factor-bits", help="sekv: factor storage in the pack, 4 (default: 4-bit keys and 3-bit values at rest, int8 again in memory) or 8 (int8, as before)"
     ),
     device: str = DeviceOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),

@@ -1,4 +1,4 @@
-"""The at-rest 4-bit factor codec (sekv/codec.py) and `factor_bits=4` packs."""
+"""The at-rest factor codec (sekv/codec.py: 4- and 3-bit codes, log8 row scales) and `factor_bits=4` packs."""
 
 from __future__ import annotations
 
@@ -42,26 +42,65 @@ def test_int4_hand_computed():
     assert codec.decode(c2, m, 4, 4, "nf4").tolist() == [127, round(-0.5250730514526367 * 127), 0, round(0.07958029955625534 * 127)]
 
 
-@pytest.mark.parametrize("levels", ["int4", "nf4"])
+def test_3bit_hand_computed():
+    # group 4, a = 127: q / a = 1, -0.504, 0, 0.0787
+    q = torch.tensor([127, -64, 0, 10], dtype=torch.int8)
+    # int3, levels k / 3: x3 = 3, -1.51, 0, 0.236 -> k = 3, -2, 0, 0 -> indices k + 4 = 7, 2, 4, 4
+    codes, m = codec.encode(q, 4, "int3")
+    assert m.tolist() == [127] and codec.bits_of("int3") == 3
+    # 12 bits, little-endian: 111 | 010 | 001 | 001 (each index's bits low first) -> bytes 0b00010111, 0b00001001
+    assert codes.tolist() == [0b00010111, 0b00001001]
+    assert codec.decode(codes, m, 4, 4, "int3").tolist() == [127, round(-2 / 3 * 127), 0, 0]
+    # nf3: -0.504 -> -0.4786 (index 1); 0.0787 is below the midpoint 0.0805 of 0 and 0.1609 -> 0 (index 3)
+    c2, _ = codec.encode(q, 4, "nf3")
+    assert c2.tolist() == [7 | (1 << 3) | ((3 & 3) << 6), (3 >> 2) | (3 << 1)]
+    assert codec.decode(c2, m, 4, 4, "nf3").tolist() == [127, round(-0.478629160115911 * 127), 0, 0]
+
+
+def test_log8_scales_hand_computed_and_bound():
+    # lo = log2 1 = 0, hi = log2 4 = 2, step = 2 / 254: 1 -> code 1, 2 -> 127 steps -> code 128, 4 -> code 255, 0 -> 0
+    s = torch.tensor([0.0, 1.0, 2.0, 4.0], dtype=torch.float16)
+    c, p = codec.encode_scales(s)
+    assert c.dtype == torch.uint8 and c.tolist() == [0, 1, 128, 255]
+    assert abs(float(p[0])) < 1e-7 and abs(float(p[1]) - 2 / 254) < 1e-7
+    assert codec.decode_scales(c, p).tolist() == [0.0, 1.0, 2.0, 4.0]
+    # random positive scales over 2^-14..2^-2 (normal float16): relative error <= 2^(step / 2) - 1 + the float16 half-ulp 2^-11
+    g = torch.Generator().manual_seed(3)
+    s = torch.exp2(torch.rand(5000, generator=g) * 12 - 14).to(torch.float16)
+    c, p = codec.encode_scales(s)
+    back = codec.decode_scales(c, p)
+    assert back.dtype == torch.float16
+    rel = ((back.float() - s.float()).abs() / s.float()).max()
+    bound = 2 ** (float(p[1]) / 2) - 1 + 2**-11
+    assert float(rel) <= bound + 1e-6 and bound < 0.025, (float(rel), bound)
+    # no positive scale at all
+    c0, p0 = codec.encode_scales(torch.zeros(3, dtype=torch.float16))
+    assert c0.tolist() == [0, 0, 0] and codec.decode_scales(c0, p0).tolist() == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("levels", ["int4", "nf4", "int3", "nf3"])
 @pytest.mark.parametrize("group", [2, 16, 32, 64])
 def test_round_trip_within_half_a_step(levels, group):
     g = torch.Generator().manual_seed(group)
+    bits = codec.bits_of(levels)
     for n in (1, 7, 1000, 4097):
         q = (torch.randn(n, generator=g) * torch.rand(n, generator=g).pow(3) * 60).round().clamp(-127, 127).to(torch.int8)
         codes, m = codec.encode(q, group, levels)
-        assert codes.numel() == (n + 1) // 2 and m.numel() == -(-n // group)
+        assert codes.numel() == (n * bits + 7) // 8 and m.numel() == -(-n // group)
         back = codec.decode(codes, m, n, group, levels)
         assert back.dtype == torch.int8 and back.shape == q.shape
         err = (back.float() - q.float()).abs()
         assert bool((err <= _half_gap_bound(q, group, levels) + 1e-4).all()), float((err - _half_gap_bound(q, group, levels)).max())
         if levels == "int4":  # the uniform bound: a / 14 + 1/2
             assert float(err.max()) <= float(m.float().max()) / 14 + 0.5
+        if levels == "int3":  # a / 6 + 1/2
+            assert float(err.max()) <= float(m.float().max()) / 6 + 0.5
         # the group maximum itself is exact (the level +-1 is in both tables)
         pos = q.float().abs().argmax()
         assert back[pos] == q[pos]
 
 
-@pytest.mark.parametrize("levels", ["int4", "nf4"])
+@pytest.mark.parametrize("levels", ["int4", "nf4", "int3", "nf3"])
 def test_constant_and_zero_groups_are_exact(levels):
     q = torch.tensor([0] * 8 + [5] * 8 + [-7] * 8 + [127] * 8 + [-127] * 3, dtype=torch.int8)
     codes, m = codec.encode(q, 8, levels)
@@ -124,12 +163,44 @@ def test_factor_round_trip():
     assert float((y4 - y8).norm() / y8.norm()) < 0.15
 
 
+def test_factor_round_trip_3bit_log8():
+    """Value-factor settings (nf3, log8 row scales): every element within its half step, scales within the log8 bound."""
+    x = torch.randn(2, int(LENS.sum()), 64, generator=torch.Generator().manual_seed(5))
+    f = fz.factorize(x, LENS, energy=0.99, rank_max=32, int8=True)
+    kw = dict(codec.VALUES_3BIT, scales="log8")
+    t = codec.encode_factors(f, LENS, 64, **kw)
+    assert {"us.q3", "us.q3m", "vt.q3", "vt.q3m", "us_scale.l8", "vt_scale.l8"} <= set(t) and "us_scale" not in t
+    g = codec.decode_factors(t, LENS, 64, **kw)
+    assert g.us_scale.dtype == torch.float16 and g.us_scale.shape == f.us_scale.shape and torch.equal(g.rank, f.rank)
+    for a, b, k in ((g.us_scale, f.us_scale, "us_scale"), (g.vt_scale, f.vt_scale, "vt_scale")):
+        step = float(t[f"{k}.l8p"][1])
+        rel = ((a.float() - b.float()).abs() / b.float()).max()
+        assert float(rel) <= 2 ** (step / 2) - 1 + 2**-11 + 1e-6
+    p = codec.column_order(LENS.view(1, -1).expand_as(f.rank), f.rank)
+    col = torch.empty_like(f.us)
+    col[p] = f.us
+    assert bool(((g.us.float() - f.us.float()).abs() <= _half_gap_bound(col, kw["group"], "nf3")[p] + 1e-4).all())
+    nb = sum(v.numel() * v.element_size() for v in t.values())
+    t4 = codec.encode_factors(f, LENS, 64, **codec.DEFAULT)
+    assert nb < 0.85 * sum(v.numel() * v.element_size() for v in t4.values())
+    y8 = fz.reconstruct_all(f, LENS, 64)
+    # random Gaussian blocks (no dominant components, the hard case): 3 bits err more than 4, still well below 1
+    e3 = float((fz.reconstruct_all(g, LENS, 64) - y8).norm() / y8.norm())
+    e4 = float((fz.reconstruct_all(codec.decode_factors(t4, LENS, 64, **codec.DEFAULT), LENS, 64) - y8).norm() / y8.norm())
+    assert e4 < e3 < 0.3, (e4, e3)
+
+
 def test_factor_bits_parameter():
     m = methods.get("sekv")
-    assert m.resolve_params({})["factor_bits"] == 4
+    d = m.resolve_params({})
+    assert (d["factor_bits"], d["value_bits"], d["scale_bits"]) == (4, 3, 8)
     assert m.resolve_params({"factor_bits": "8"})["factor_bits"] == 8
     with pytest.raises(SekvError, match="factor_bits"):
         m.resolve_params({"factor_bits": 3})
+    with pytest.raises(SekvError, match="value_bits"):
+        m.resolve_params({"value_bits": 2})
+    with pytest.raises(SekvError, match="scale_bits"):
+        m.resolve_params({"scale_bits": 4})
 
 
 # exact factors apart from the 8-bit quantisation: full rank, every span expanded
@@ -147,10 +218,12 @@ def test_4bit_pack_round_trip_and_full_expansion(tmp_path):
     """
     model, _, ids, res, store8, p8, mem8, full = _setup("qwen2", n=500, **INT8_FULL, factor_bits=8)
     m = methods.get("sekv")
-    p4 = m.resolve_params({**INT8_FULL, "factor_bits": 4})
+    p4 = m.resolve_params({**INT8_FULL, "factor_bits": 4, "value_bits": 4, "scale_bits": 16})  # the `4bit-factors` storage
     store4 = Store(m.compress(res, p4))
+    assert codec.config_name("fv") not in store4
     assert not any(k.endswith((".us", ".vt")) for k in store4)
-    assert codec.CONFIG in store4 and codec.parse_config(store4[codec.CONFIG]) == codec.DEFAULT
+    assert codec.CONFIG in store4 and codec.parse_config(store4[codec.CONFIG]) == dict(codec.DEFAULT, scales="fp16")
+    assert store4[codec.CONFIG].numel() == 4  # the same config tensor as packs made before value_bits / scale_bits
     path = tmp_path / "q4.sekv"
     write_pack(path, {"format_version": 2, "method": "sekv", "method_params": p4}, dict(store4))
     pack = read_pack(path)
@@ -176,6 +249,28 @@ def test_4bit_pack_round_trip_and_full_expansion(tmp_path):
     d4, d8 = m.describe(pack, p4), m.describe(store8, p8)
     assert d4["factors"].startswith("4-bit") and d8["factors"] == "int8"
     assert d4["factor_bytes"] < 0.62 * d8["factor_bytes"] and d4["pack_tensor_bytes"] < d8["pack_tensor_bytes"]
+
+    # the default storage (3-bit value codes, log8 row scales): first-order bound as above, with the largest element
+    # bound of the two codes plus the row scales' relative error (us and vt rows, each up to 127 units)
+    pd = m.resolve_params(dict(INT8_FULL))
+    stored = Store(m.compress(res, pd))
+    assert "sekv.fk.0.us.q4" in stored and "sekv.fv.0.us.q3" in stored and "sekv.fk.0.us_scale" not in stored
+    assert codec.parse_config(stored[codec.config_name("fv")])["levels"] == "nf3"
+    path = tmp_path / "q3.sekv"
+    write_pack(path, {"format_version": 2, "method": "sekv", "method_params": pd}, dict(stored))
+    memd = m.open(read_pack(path), pd, res.shape, "cpu")
+    for (fd, _), (f8, _) in zip(memd.factors, mem8.factors):
+        assert fd.us.dtype == torch.int8 and torch.equal(fd.rank, f8.rank) and fd.us_scale.dtype == torch.float16
+    lv3 = codec.LEVELS["nf3"]
+    b3 = 127 * float((lv3[1:] - lv3[:-1]).max()) / 2 + 0.5
+    step = max(float(stored[k][1]) for k in stored if k.endswith("_scale.l8p"))
+    rs = 2 ** (step / 2) - 1 + 2**-11
+    tol_d = float((a8 - ref).abs().max()) * (max(b3, b4) + 2 * 127 * rs) / 0.5 + 2e-4
+    ad = runtime.forward_logits(model, q, memd.n_tokens(), memd, last_only=False)
+    errd = float((ad - ref).abs().max())
+    assert 0 < errd <= tol_d, (errd, tol_d)
+    dd = m.describe(read_pack(path), pd)
+    assert "values 3-bit nf3" in dd["factors"] and "log8" in dd["factors"] and dd["pack_tensor_bytes"] < d4["pack_tensor_bytes"]
 
 
 def test_int8_packs_without_the_parameter_still_load(tmp_path):
@@ -203,9 +298,13 @@ def test_default_packs_are_coded_and_8bit_is_an_ablation():
 
     *_, store, p, mem, _ = _setup("qwen2", n=300, min_span=8)
     assert "sekv.fk.0.us.q4" in store and "sekv.fk.0.us" not in store
+    assert "sekv.fv.0.us.q3" in store and "sekv.fv.0.vt_scale.l8" in store
     assert ABLATIONS["8bit-factors"] == {"factor_bits": 8}
     v = variants.parse("sekv:8bit-factors")
     assert methods.get("sekv").resolve_params(v.params(0.1))["factor_bits"] == 8
+    assert ABLATIONS["4bit-factors"] == {"value_bits": 4, "scale_bits": 16}
+    p4 = methods.get("sekv").resolve_params(variants.parse("sekv:4bit-factors").params(0.1))
+    assert (p4["factor_bits"], p4["value_bits"], p4["scale_bits"]) == (4, 4, 16)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -280,3 +280,55 @@ def test_cuda_compress_with_a_prefaulted_arena():
     assert set(got) == set(ref)
     assert all(got[k].device.type == "cpu" and got[k].shape == ref[k].shape and got[k].dtype == ref[k].dtype for k in ref)
     assert all(torch.equal(got[k], ref[k]) for k in ref if k.startswith(("sekv.full.", "sekv.span_", "sekv.anchor")))
+
+
+def test_trained_router_is_read_from_its_file_not_the_pack(tmp_path, monkeypatch):
+    """Packs do not copy the trained router's W (1.38 MB for qwen2.5-0.5b): it is read from the router file the pack
+    records (path + sha256) and gives the logits of a pack that holds the copy (the format before 2026-12-01).
+    A changed file at the recorded path is a swapped-in router (router.load's rule); a missing one is found among the
+    shipped routers by its sha256, else the pack does not open (PackError, one line)."""
+    from sekv_core.errors import PackError
+    from sekv_core.sekv import router_file
+    from sekv_core.sekv.rank_gate import RankGate
+
+    L, H, d = 2, 4, 16
+    torch.manual_seed(3)
+    rf = router_file.RouterFile(torch.randn(L, H, 32, d), torch.full((L, H), 0.1), RankGate(32, d), {})
+    rpath = router_file.save(tmp_path / "r.safetensors", rf)
+    model, _, ids, res, store, p, mem, _ = _setup("qwen2", n=600, budget=0.2, min_span=10, router=str(rpath))
+    assert p["router"] == str(rpath.resolve()) and p["router_sha256"] == router_file.file_sha256(rpath)
+    assert "sekv.router.ttau" in store and not any(k.startswith("sekv.router.tw.") for k in store)
+    assert mem.router_source == "trained"
+    assert methods.get("sekv").describe(store, p)["router"] == "trained: r.safetensors"
+    # the old format: the same tensors plus the float16 copy of W
+    old = Store(store, **{f"sekv.router.tw.{i}": rf.w[i].to(torch.float16) for i in range(L)})
+    mem_old = methods.get("sekv").open(old, p, res.shape, "cpu")
+    assert mem_old.router_source == "trained" and torch.equal(mem.w, mem_old.w)
+    q = torch.randint(0, 300, (1, 7), generator=torch.Generator().manual_seed(4))
+    a = runtime.forward_logits(model, q, mem.n_tokens(), mem, last_only=False)
+    assert torch.equal(a, runtime.forward_logits(model, q, mem_old.n_tokens(), mem_old, last_only=False))
+    # the file moved away: a shipped router with the same sha256 serves; none -> PackError naming the file
+    moved = tmp_path / "shipped"
+    moved.mkdir()
+    rpath.rename(moved / "qwen.safetensors")
+    monkeypatch.setattr(router_file, "BUILTIN_DIR", moved)
+    m2 = methods.get("sekv").open(store, p, res.shape, "cpu")
+    assert m2.router_source == "trained" and torch.equal(m2.w, mem.w)
+    monkeypatch.setattr(router_file, "BUILTIN_DIR", tmp_path / "nowhere")
+    with pytest.raises(PackError, match=r"trained router r\.safetensors .*--router untrained"):
+        methods.get("sekv").open(store, p, res.shape, "cpu")
+    assert methods.get("sekv").open(store, dict(p, router="untrained"), res.shape, "cpu").router_source == "pack"
+    assert methods.get("sekv").open(old, p, res.shape, "cpu").router_source == "trained"  # the copy needs no file
+    # a different file at the recorded path (e.g. retrained): used as a swapped-in router, its own W and tau
+    other = router_file.RouterFile(torch.randn(L, H, 32, d), torch.full((L, H), 0.3), RankGate(32, d), {})
+    router_file.save(rpath, other)
+    m3 = methods.get("sekv").open(store, p, res.shape, "cpu")
+    assert m3.router_source == "file" and not torch.equal(m3.w, mem.w)
+    assert torch.allclose(m3.logit_tau, torch.full((L, H), float(torch.logit(torch.tensor(0.3)))), atol=1e-5)
+
+
+def test_pca_router_w_is_stored_in_the_model_dtype():
+    """The per-document PCA W is stored in the model dtype (what the memory casts it to), not float32."""
+    *_, store, p, mem, _ = _setup("qwen2", n=300, min_span=8, router="untrained")
+    assert store["sekv.router.w.0"].dtype == mem.shape.dtype
+    assert torch.equal(mem.w[0], store["sekv.router.w.0"].to(mem.shape.dtype))

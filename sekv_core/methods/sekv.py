@@ -18,9 +18,12 @@ Pack tensors (all prefixed ``sekv.``; L layers):
   span_start / span_end [S] int64, full_idx [F] int64, anchor_idx [A] int64
   full.k.l / full.v.l   [Hkv, F, d]  model dtype
   coarse.k.l / coarse.v.l [Hkv, S, d] model dtype
-  router.w.l [Hw, d_r, d] float32, router.norm.l [Hw, S] float32, router.tau [L, H] float32
+  router.w.l [Hw, d_r, d] model dtype (float32 before 2026-12-01), router.norm.l [Hw, S] float32, router.tau [L, H] float32
   fk.l.* / fv.l.*  packed factors (sekv/factorize.py); with factor_bits=4 us/vt at rest as us.q4, us.q4m, vt.q4,
-                   vt.q4m, vt.lead, and factor_codec [4] int64 (sekv/codec.py), decoded to int8 at open
+                   vt.q4m, vt.lead (value factors with value_bits=3: us.q3, ... ), row scales us_scale.l8 /
+                   us_scale.l8p / vt_scale.l8 / vt_scale.l8p with scale_bits=8, and factor_codec [4-5] int64
+                   (+ factor_codec.fv where the values' code differs; sekv/codec.py), decoded to int8 at open
+  router.ttau [L, H] float32 (a trained router; its W is read from the router file at open, sekv/router.py)
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "global-tau": {"tau_mode": "global"},  # one threshold for every (layer, head)
     "untrained-router": {"router": "untrained"},  # the PCA-initialised router even where a trained one exists
     "per-layer-routing": {"routing": "per_layer"},  # each layer ranks spans by its own gates (no scout pass)
+    # the at-rest storage before 3-bit values and log8 row scales (the default until 2026-12-01, docs/sekv.md §3)
+    "4bit-factors": {"value_bits": 4, "scale_bits": 16},
     "8bit-factors": {"factor_bits": 8},  # factors stored as int8 in the pack (before 4-bit became the default)
 }
 
@@ -590,6 +595,10 @@ class SekvMethod(CacheMethod):
         # 4: the int8 factors are stored 4-bit coded in the pack (sekv/codec.py) and decoded to int8 at open; 8: as int8.
         # Float factors (factors_8bit=False) are stored as they are whatever this says.
         "factor_bits": 4,
+        # with factor_bits=4: bits of the value factors' code (3: nf3 levels, 4: nf4 like the keys) and of the row
+        # scales at rest (8: log8 codes, 16: float16 as factorize wrote them); docs/sekv.md §3 measured both
+        "value_bits": 3,
+        "scale_bits": 8,
         "factor_dtype": "float16",  # float factors when not 8-bit ("float32" for exactness tests)
         "key_space": "pre_rope",  # or "post_rope"
         "svd": "gram",  # or "svd" (torch.linalg.svd)
@@ -617,6 +626,10 @@ class SekvMethod(CacheMethod):
             raise SekvError(f"sekv: --routing must be one of {', '.join(ROUTINGS)}, not {params['routing']!r}")
         if params["factor_bits"] not in (8, 4):
             raise SekvError(f"sekv: factor_bits must be 8 or 4, not {params['factor_bits']!r}")
+        if params["value_bits"] not in (3, 4):
+            raise SekvError(f"sekv: value_bits must be 3 or 4, not {params['value_bits']!r}")
+        if params["scale_bits"] not in (8, 16):
+            raise SekvError(f"sekv: scale_bits must be 8 or 16, not {params['scale_bits']!r}")
         return params
 
     @staticmethod
@@ -707,8 +720,12 @@ class SekvMethod(CacheMethod):
             "sekv.full_idx": seg.full_idx.clone(),
             "sekv.anchor_idx": seg.anchor_idx.clone(),
         }
-        if coded:
-            out[codec.CONFIG] = codec.config_tensor(**codec.DEFAULT)
+        if coded:  # params from before value_bits / scale_bits: 4-bit values, float16 scales
+            kcfg = dict(codec.DEFAULT, scales="log8" if int(params.get("scale_bits", 16)) == 8 else "fp16")
+            vcfg = dict(codec.VALUES_3BIT, scales=kcfg["scales"]) if int(params.get("value_bits", 4)) == 3 else kcfg
+            out[codec.CONFIG] = codec.config_tensor(**kcfg)
+            if vcfg != kcfg:
+                out[codec.config_name("fv")] = codec.config_tensor(**vcfg)
         if pre:
             out["sekv.rope_inv_freq"] = inv
             out["sekv.rope_scaling"] = torch.tensor([shape.rope_attention_scaling], dtype=torch.float32)
@@ -734,7 +751,8 @@ class SekvMethod(CacheMethod):
             out[f"sekv.coarse.k.{li}"] = kbar.to(k.dtype)
             out[f"sekv.coarse.v.{li}"] = weighted_means(v, pos, sid, weights, S).to(v.dtype)
             w = router.pca_init(k, int(params["d_r"]), kbar)
-            out[f"sekv.router.w.{li}"] = w
+            # stored in the model dtype, which the memory casts it to at open: the same W, half the bytes of float32
+            out[f"sekv.router.w.{li}"] = w.to(k.dtype)
             out[f"sekv.router.norm.{li}"] = router.span_norms(w, kbar.to(k.dtype))
             kx = k[:, pos].float()
             if pre:
@@ -742,7 +760,7 @@ class SekvMethod(CacheMethod):
             opts = dict(rank_max=int(params["rank_max"]), int8=int8, dtype=fdt, method=params["svd"])
             keep_k = keep_v = None
             if trained is not None:  # the trained rank gate G chooses each block's components (sekv/rank_gate.py)
-                out[f"sekv.router.tw.{li}"] = trained.w[li].to(torch.float16)
+                # its W is not copied into the pack: router.load reads it from the file (recorded with its sha256)
                 depth = li / max(L - 1, 1)
                 vbar = out[f"sekv.coarse.v.{li}"].float()
                 keep_k = trained.gate.keep(kbar.float(), span_len, False, depth)
@@ -750,8 +768,8 @@ class SekvMethod(CacheMethod):
             fk = fz.factorize(kx, span_len, energy=float(params["energy_k"]), keep=keep_k, **opts)
             fv = fz.factorize(v[:, pos].float(), span_len, energy=float(params["energy_v"]), keep=keep_v, **opts)
             for f, kind in ((fk, "fk"), (fv, "fv")):
-                if coded:  # at rest 4-bit; SekvMemory._factors decodes to int8
-                    enc = codec.encode_factors(f, span_len, d, **codec.DEFAULT)
+                if coded:  # at rest 4-bit (values: value_bits); SekvMemory._factors decodes to int8
+                    enc = codec.encode_factors(f, span_len, d, **(kcfg if kind == "fk" else vcfg))
                     out.update({f"sekv.{kind}.{li}.{k}": t for k, t in enc.items()})
                 else:
                     out.update(f.tensors(f"sekv.{kind}.{li}"))
@@ -795,8 +813,11 @@ class SekvMethod(CacheMethod):
         factor_bytes = sum(b for k, b in nbytes.items() if k.startswith(("sekv.fk.", "sekv.fv.")))
         raw = n * 2 * L * hkv * d * 2
         if codec.CONFIG in nbytes:
-            c = codec.parse_config(store.get(codec.CONFIG))
-            factors = f"4-bit at rest ({c['levels']}, groups of {c['group']}, us {c['order']}-major, {c['lead']} leading vt row(s) int8), int8 in memory"
+            names = set(nbytes)
+            c, cv = (codec.kind_config(store, names, k) for k in ("fk", "fv"))
+            vals = f"values {codec.bits_of(cv['levels'])}-bit {cv['levels']} in groups of {cv['group']}, keys " if cv != c else ""
+            factors = (f"4-bit at rest ({c['levels']}, {vals}groups of {c['group']}, us {c['order']}-major, {c['lead']} leading vt row(s) int8, "
+                       f"row scales {c['scales']}), int8 in memory")
         else:
             factors = "int8" if "sekv.fk.0.us_scale" in nbytes else "float"
         return {
@@ -807,7 +828,7 @@ class SekvMethod(CacheMethod):
             "anchors": int(store.get("sekv.anchor_idx").numel()),
             "window": cfg["window"],
             "key_space": "pre_rope" if int(store.get("sekv.key_space")[0]) else "post_rope",
-            "router": ("trained: " + Path(str(params.get("router", ""))).name) if "sekv.router.tw.0" in set(store.keys()) else "untrained",
+            "router": ("trained: " + Path(str(params.get("router", ""))).name) if "sekv.router.ttau" in set(store.keys()) else "untrained",
             "effective_rank_histogram": hist,
             "factors": factors,
             "factor_bytes": int(factor_bytes),

@@ -1,4 +1,4 @@
-"""At-rest 4-bit codec of the int8 SVD factors (sekv/factorize.py): smaller packs, the same memory.
+"""At-rest 4- / 3-bit codec of the int8 SVD factors (sekv/factorize.py): smaller packs, the same memory.
 
 Only the pack file changes: a memory decodes the tensors back to the int8 factors (+ the float16
 row scales factorize.pack wrote) when it opens the pack, so everything that reads factors (the CPU
@@ -7,14 +7,19 @@ reference step, sekv/blocks.py, sekv/decode.py) is unchanged.
 **Group code.**  A flat int8 tensor q is cut into groups of ``group`` consecutive elements (the
 last one zero-padded).  Each group stores its absolute maximum a = max |q| as one **uint8** (q is
 int8, so a is an integer 0..127, stored exactly; a float16 multiplier would cost twice as much) and
-one 4-bit code per element, two per byte (element 2k in the low nibble, 2k+1 in the high): the index
-of the level nearest to q / a in a table of 16 levels on [-1, 1].  Decoding: q^ = round(level * a).
+one B-bit code per element (B = 4 for a table of 16 levels on [-1, 1], 3 for 8 levels): the index of the
+level nearest to q / a, packed as a little-endian bit stream (bit j of element k is stream bit k B + j;
+for B = 4, element 2k in the low nibble of byte k, 2k+1 in the high one).  Decoding: q^ = round(level * a).
 Error per element: |q - q^| <= a * gap / 2 + 1/2, gap the distance between the two levels around
 q / a (the 1/2: rounding back to int8); uniform ``int4`` levels k / 7: a / 14 + 1/2.
 
 Level tables (``LEVELS``): ``int4``, k / 7 for k = -8..7 (-8 / 7 is never chosen since |q / a| <= 1);
 ``nf4``, the NormalFloat levels of QLoRA (Dettmers et al. 2023): standard-normal quantiles scaled to
-[-1, 1], denser near zero.
+[-1, 1], denser near zero; ``int3`` (k / 3, k = -4..3) and ``nf3`` (the same construction with 8 levels)
+for 3 bits.  The value factors of default packs use ``VALUES_3BIT`` (values tolerate it, keys do not).
+
+**Row scales** (``scales="log8"``, :func:`encode_scales`): the float16 ``us_scale`` / ``vt_scale`` as one
+byte each on a per-tensor log2 grid of 255 steps between the smallest and largest positive scale.
 
 **Which elements, in which order** (benchmarks/factor_codec.py measured the choices, docs/sekv.md §3):
 
@@ -28,9 +33,10 @@ Level tables (``LEVELS``): ``int4``, k / 7 for k = -8..7 (-8 / 7 is never chosen
   0.146 with every row coded; 0.111 with the first one kept).
 
 Pack tensors for a prefix ``sekv.fk.{l}`` / ``sekv.fv.{l}`` (instead of ``us`` / ``vt``):
-``us.q4`` / ``vt.q4`` uint8 codes, ``us.q4m`` / ``vt.q4m`` uint8 group maxima, ``vt.lead`` int8;
-``us_scale``, ``vt_scale``, ``rank`` as before.  ``sekv.factor_codec`` int64 [4] = (group, levels id,
-us order id, lead) makes a pack self-describing.
+``us.qB`` / ``vt.qB`` uint8 codes, ``us.qBm`` / ``vt.qBm`` uint8 group maxima (B = 4 or 3), ``vt.lead`` int8;
+``us_scale``, ``vt_scale`` as before or ``us_scale.l8`` / ``vt_scale.l8`` uint8 + ``*.l8p`` float32 [2];
+``rank`` as before.  ``sekv.factor_codec`` int64 [4] = (group, levels id, us order id, lead), or [5] with
+the scales id, makes a pack self-describing; ``sekv.factor_codec.fv`` where the values' code differs.
 """
 
 from __future__ import annotations
@@ -51,18 +57,42 @@ LEVELS: dict[str, torch.Tensor] = {
         ],
         dtype=torch.float32,
     ),
+    # 3 bits: k / 3 for k = -4..3 (-4 / 3 is never chosen); the NormalFloat construction with 8 levels
+    # (4 positive standard-normal quantiles, 3 negative, 0; the positive ones are nf4's 9th, 11th, 13th, 15th)
+    "int3": torch.arange(-4, 4, dtype=torch.float32) / 3.0,
+    "nf3": torch.tensor(
+        [-1.0, -0.478629160115911, -0.21714181782574415, 0.0, 0.16093017270493618, 0.33791519352165506, 0.5626169700752371, 1.0],
+        dtype=torch.float32,
+    ),
 }
 ORDERS = ("row", "col")
+#: row scales (``us_scale`` / ``vt_scale``) at rest: ``fp16`` as factorize wrote them, or ``log8`` (:func:`encode_scales`)
+SCALES = ("fp16", "log8")
 CONFIG = "sekv.factor_codec"
-#: the codec of ``factor_bits=4`` packs, chosen in docs/sekv.md §3 among the variants benchmarks/factor_codec.py measured
+#: the 4-bit codec of ``factor_bits=4`` packs, chosen in docs/sekv.md §3 among the variants benchmarks/factor_codec.py measured
 DEFAULT = {"group": 32, "levels": "nf4", "order": "col", "lead": 1}
+#: the value factors' code with ``value_bits=3`` (the default since 2026-12-01; docs/sekv.md §3): nf3 levels in groups
+#: of 128 (values barely notice the group size: attention-output error 0.2285 at 32, 0.2303 at 128)
+VALUES_3BIT = {"group": 128, "levels": "nf3", "order": "col", "lead": 1}
+
+
+def bits_of(levels: str) -> int:
+    """Bits per element of a level table (16 levels: 4, 8 levels: 3)."""
+    return int(LEVELS[levels].numel()).bit_length() - 1
+
+
+def code_names(levels: str) -> tuple[str, str, str, str]:
+    """Tensor names (relative to the prefix) of the codes and group maxima: ``us.q4``, ``us.q4m``, ``vt.q4``, ``vt.q4m``
+    for 4-bit levels, ``us.q3`` ... for 3-bit ones."""
+    b = bits_of(levels)
+    return f"us.q{b}", f"us.q{b}m", f"vt.q{b}", f"vt.q{b}m"
 
 
 def n_groups(n: int, group: int) -> int:
     return (n + group - 1) // group
 
 
-def check(group: int, levels: str, order: str = "col", lead: int = 0) -> None:
+def check(group: int, levels: str, order: str = "col", lead: int = 0, scales: str = "fp16") -> None:
     if group < 2 or group % 2 or group > 4096:
         raise ValueError(f"factor codec: group must be an even number in 2..4096, not {group}")
     if levels not in LEVELS:
@@ -71,10 +101,35 @@ def check(group: int, levels: str, order: str = "col", lead: int = 0) -> None:
         raise ValueError(f"factor codec: order must be one of {', '.join(ORDERS)}, not {order!r}")
     if lead < 0:
         raise ValueError(f"factor codec: lead must be >= 0, not {lead}")
+    if scales not in SCALES:
+        raise ValueError(f"factor codec: scales must be one of {', '.join(SCALES)}, not {scales!r}")
+
+
+def _pack_bits(idx: torch.Tensor, bits: int) -> torch.Tensor:
+    """Level indices [n] (< 2^bits) -> a little-endian bit stream, uint8 [ceil(n * bits / 8)]: bit j of element k
+    is bit (k * bits + j) of the stream; for 4 bits, element 2k in the low nibble of byte k."""
+    n = idx.numel()
+    if bits == 4:
+        if n % 2:
+            idx = torch.cat([idx, idx.new_zeros(1)])
+        pairs = idx.view(-1, 2)
+        return (pairs[:, 0] | (pairs[:, 1] << 4)).contiguous()
+    sh = torch.arange(8, device=idx.device, dtype=torch.uint8)
+    b = ((idx.view(-1, 1) >> sh[:bits]) & 1).flatten()
+    nb = (n * bits + 7) // 8
+    b = torch.cat([b, b.new_zeros(nb * 8 - b.numel())]).view(nb, 8)
+    return (b << sh).sum(1, dtype=torch.int32).to(torch.uint8)
+
+
+def _unpack_bits(codes: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """Inverse of :func:`_pack_bits`: level indices [n] int64."""
+    sh = torch.arange(8, device=codes.device, dtype=torch.uint8)
+    b = ((codes.view(-1, 1) >> sh) & 1).flatten()[: n * bits].view(n, bits).long()
+    return (b << sh[:bits].long()).sum(1)
 
 
 def encode(q: torch.Tensor, group: int, levels: str = "nf4") -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 [n] -> (codes uint8 [ceil(n / 2)], group maxima uint8 [ceil(n / group)])."""
+    """int8 [n] -> (codes uint8 [ceil(n * bits / 8)], group maxima uint8 [ceil(n / group)]); bits = bits_of(levels)."""
     if q.dtype != torch.int8 or q.dim() != 1:
         raise ValueError("codec.encode takes a 1-D int8 tensor")
     check(group, levels)
@@ -87,24 +142,24 @@ def encode(q: torch.Tensor, group: int, levels: str = "nf4") -> tuple[torch.Tens
     a = x.abs().amax(1)  # integers 0..127
     y = x / torch.where(a > 0, a, torch.ones_like(a)).unsqueeze(1)  # in [-1, 1]; a zero group stays 0
     mids = (lv[1:] + lv[:-1]) / 2
-    idx = torch.bucketize(y, mids).to(torch.uint8).flatten()  # the nearest level
-    if idx.numel() % 2:
-        idx = torch.cat([idx, idx.new_zeros(1)])
-    pairs = idx.view(-1, 2)
-    codes = pairs[:, 0] | (pairs[:, 1] << 4)
-    return codes[: (n + 1) // 2].contiguous(), a.to(torch.uint8)
+    idx = torch.bucketize(y, mids).to(torch.uint8).flatten()[:n]  # the nearest level
+    return _pack_bits(idx, bits_of(levels)), a.to(torch.uint8)
 
 
 def decode(codes: torch.Tensor, maxima: torch.Tensor, n: int, group: int, levels: str = "nf4") -> torch.Tensor:
     """Inverse of :func:`encode`: int8 [n]."""
-    if codes.numel() != (n + 1) // 2 or maxima.numel() != n_groups(n, group):
+    bits = bits_of(levels)
+    if codes.numel() != (n * bits + 7) // 8 or maxima.numel() != n_groups(n, group):
         raise ValueError(f"factor codec: {codes.numel()} codes / {maxima.numel()} group maxima do not hold {n} elements in groups of {group}")
     lv = LEVELS[levels].to(codes.device)
-    byte = torch.arange(256, device=codes.device)
-    pair = torch.stack([lv[byte & 0x0F], lv[byte >> 4]], 1)  # [256, 2]: the two levels of every byte
     g = maxima.numel()
     x = torch.zeros(g * group, dtype=torch.float32, device=codes.device)
-    x[: 2 * codes.numel()] = pair[codes.long()].flatten()[: g * group]
+    if bits == 4:
+        byte = torch.arange(256, device=codes.device)
+        pair = torch.stack([lv[byte & 0x0F], lv[byte >> 4]], 1)  # [256, 2]: the two levels of every byte
+        x[: 2 * codes.numel()] = pair[codes.long()].flatten()[: g * group]
+    else:
+        x[:n] = lv[_unpack_bits(codes, n, bits)]
     x = x.view(g, group) * maxima.float().unsqueeze(1)
     return torch.round(x.flatten()[:n]).clamp(-127, 127).to(torch.int8)
 
@@ -142,9 +197,33 @@ def _lead_mask(rank: torch.Tensor, d: int, lead: int) -> torch.Tensor:
     return (comp < lead).repeat_interleave(d)
 
 
-def encode_factors(f: fz.Factors, span_len: torch.Tensor, d: int, *, group: int, levels: str, order: str, lead: int) -> dict[str, torch.Tensor]:
+def encode_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log8``: positive float16 row scales [m] -> (codes uint8 [m], (lo, step) float32 [2]).
+
+    Code 0 is an exact 0 (factorize's zero rows); code c >= 1 stands for 2^(lo + (c - 1) step), with lo / hi the
+    log2 of the tensor's smallest / largest positive scale and step = (hi - lo) / 254, so every positive scale is
+    within a relative 2^(step / 2) - 1 (+ float16 rounding) of its decoded value."""
+    x = s.float()
+    pos = x > 0
+    if not bool(pos.any()):
+        return torch.zeros(x.numel(), dtype=torch.uint8, device=x.device), torch.zeros(2, dtype=torch.float32, device=x.device)
+    lg = torch.log2(torch.where(pos, x, torch.ones_like(x)))
+    lo, hi = lg[pos].min(), lg[pos].max()
+    step = torch.clamp((hi - lo) / 254, min=1e-6)
+    c = torch.where(pos, torch.round((lg - lo) / step).clamp(0, 254) + 1, torch.zeros_like(x))
+    return c.to(torch.uint8), torch.stack([lo, step]).float()
+
+
+def decode_scales(codes: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`encode_scales`: float16 [m]."""
+    c = codes.float()
+    x = torch.exp2(p[0].float() + (c - 1) * p[1].float())
+    return torch.where(c > 0, x, torch.zeros_like(x)).to(torch.float16)
+
+
+def encode_factors(f: fz.Factors, span_len: torch.Tensor, d: int, *, group: int, levels: str, order: str, lead: int, scales: str = "fp16") -> dict[str, torch.Tensor]:
     """int8 factors -> the at-rest tensors (names relative to the prefix, e.g. ``us.q4``)."""
-    check(group, levels, order, lead)
+    check(group, levels, order, lead, scales)
     if f.us_scale is None:
         raise ValueError("factor codec: the factors must be int8 (factors_8bit)")
     dev = f.us.device
@@ -156,44 +235,77 @@ def encode_factors(f: fz.Factors, span_len: torch.Tensor, d: int, *, group: int,
     lm = _lead_mask(f.rank.to(dev), d, lead)
     cu, mu = encode(us, group, levels)
     cv, mv = encode(f.vt[~lm], group, levels)
-    return {"us.q4": cu, "us.q4m": mu, "vt.q4": cv, "vt.q4m": mv, "vt.lead": f.vt[lm].contiguous(), "rank": f.rank, "us_scale": f.us_scale, "vt_scale": f.vt_scale}
+    out = dict(zip(code_names(levels), (cu, mu, cv, mv)))
+    out.update({"vt.lead": f.vt[lm].contiguous(), "rank": f.rank})
+    for k in ("us_scale", "vt_scale"):
+        if scales == "log8":
+            out[f"{k}.l8"], out[f"{k}.l8p"] = encode_scales(getattr(f, k))
+        else:
+            out[k] = getattr(f, k)
+    return out
 
 
-def decode_factors(t: dict[str, torch.Tensor], span_len: torch.Tensor, d: int, *, group: int, levels: str, order: str, lead: int) -> fz.Factors:
+def scale_names(scales: str) -> tuple[str, ...]:
+    return ("us_scale", "vt_scale") if scales == "fp16" else ("us_scale.l8", "us_scale.l8p", "vt_scale.l8", "vt_scale.l8p")
+
+
+def decode_factors(t: dict[str, torch.Tensor], span_len: torch.Tensor, d: int, *, group: int, levels: str, order: str, lead: int, scales: str = "fp16") -> fz.Factors:
     """Inverse of :func:`encode_factors` (tensors on one device): the int8 factors factorize.pack wrote, up to
     the code's error."""
     rank = t["rank"]
     n_us = int((rank.long() * span_len.long().view(1, -1)).sum())
-    us = decode(t["us.q4"], t["us.q4m"], n_us, group, levels)
+    cus, mus, cvt, mvt = code_names(levels)
+    us = decode(t[cus], t[mus], n_us, group, levels)
     if order == "col":
         us = us[_us_order(rank, span_len.to(rank.device))]
     lm = _lead_mask(rank, d, lead)
     vt = torch.empty(lm.numel(), dtype=torch.int8, device=rank.device)
     vt[lm] = t["vt.lead"]
-    vt[~lm] = decode(t["vt.q4"], t["vt.q4m"], int((~lm).sum()), group, levels)
-    return fz.Factors(us, vt, rank, t["us_scale"], t["vt_scale"])
+    vt[~lm] = decode(t[cvt], t[mvt], int((~lm).sum()), group, levels)
+    if scales == "log8":
+        us_s, vt_s = decode_scales(t["us_scale.l8"], t["us_scale.l8p"]), decode_scales(t["vt_scale.l8"], t["vt_scale.l8p"])
+    else:
+        us_s, vt_s = t["us_scale"], t["vt_scale"]
+    return fz.Factors(us, vt, rank, us_s, vt_s)
 
 
-def config_tensor(group: int, levels: str, order: str, lead: int) -> torch.Tensor:
-    check(group, levels, order, lead)
-    return torch.tensor([group, list(LEVELS).index(levels), ORDERS.index(order), lead], dtype=torch.long)
+def config_tensor(group: int, levels: str, order: str, lead: int, scales: str = "fp16") -> torch.Tensor:
+    """[group, levels id, us order id, lead] (+ scales id where not fp16: packs before it have 4 entries)."""
+    check(group, levels, order, lead, scales)
+    c = [group, list(LEVELS).index(levels), ORDERS.index(order), lead] + ([SCALES.index(scales)] if scales != "fp16" else [])
+    return torch.tensor(c, dtype=torch.long)
 
 
 def parse_config(c: torch.Tensor) -> dict:
-    group, lv, order, lead = (int(x) for x in c.tolist())
-    return {"group": group, "levels": list(LEVELS)[lv], "order": ORDERS[order], "lead": lead}
+    v = [int(x) for x in c.tolist()]
+    group, lv, order, lead = v[:4]
+    return {"group": group, "levels": list(LEVELS)[lv], "order": ORDERS[order], "lead": lead, "scales": SCALES[v[4]] if len(v) > 4 else "fp16"}
+
+
+def config_name(kind: str) -> str:
+    """The config tensor of ``kind`` ("fk" / "fv"): ``sekv.factor_codec`` for both, unless the value factors have
+    their own, ``sekv.factor_codec.fv``."""
+    return f"{CONFIG}.{kind}" if kind == "fv" else CONFIG
+
+
+def kind_config(store, names: set[str], kind: str) -> dict | None:
+    """The codec of ``kind``'s factors in a pack, or None (factor_bits=8 / float packs)."""
+    name = config_name(kind)
+    if name in names:
+        return parse_config(store.get(name))
+    return parse_config(store.get(CONFIG)) if CONFIG in names else None
 
 
 def read_factors(store, names: set[str], prefix: str, device=None) -> fz.Factors | None:
     """A pack's coded factors under ``prefix`` decoded to int8 (CPU tensors), or None where they are stored
     plainly.  device: a CUDA device decodes there (the CPU decodes ~40 M elements/s on one thread: minutes
     for a 128K-token pack of an 8B model) and copies the int8 factors back."""
-    if f"{prefix}.us.q4" not in names:
+    cfg = kind_config(store, names, prefix.split(".")[1])
+    if cfg is None or f"{prefix}.{code_names(cfg['levels'])[0]}" not in names:
         return None
-    cfg = parse_config(store.get(CONFIG))
     head_dim = int(store.get("sekv.config")[3])
     span_len = (store.get("sekv.span_end") - store.get("sekv.span_start")).long()
-    parts = ("us.q4", "us.q4m", "vt.q4", "vt.q4m", "vt.lead", "rank", "us_scale", "vt_scale")
+    parts = code_names(cfg["levels"]) + ("vt.lead", "rank") + scale_names(cfg["scales"])
     if device is not None and torch.device(device).type == "cuda":
         t = {k: store.get(f"{prefix}.{k}").to(device) for k in parts}
         f = decode_factors(t, span_len.to(device), head_dim, **cfg)

@@ -106,7 +106,12 @@ def load(store, params: dict, shape) -> Router:
     ``params["router"]``: ``"untrained"`` -> the pack's PCA-initialised router; a router file whose
     sha256 differs from the one the pack was ingested with (``params["router_sha256"]``) -> that file's
     W and tau (its rank gate cannot act: ranks were fixed at ingest); anything else -> the trained
-    router stored in the pack at ingest, or the untrained one where the pack has none.
+    router the pack was ingested with, or the untrained one where the pack has none.
+
+    Where the trained W comes from: packs written before 2026-12-01 hold a float16 copy
+    (``sekv.router.tw.l``); newer ones hold only its tau (``sekv.router.ttau``) and the file's name and
+    sha256 in their parameters, and W is read from that file (:func:`trained_file`), rounded through
+    float16 like the copy was, so both kinds of pack give the same W.
     """
     from pathlib import Path
 
@@ -127,8 +132,38 @@ def load(store, params: dict, shape) -> Router:
     if spec != "untrained" and "sekv.router.tw.0" in names:
         w = torch.stack([store.get(f"sekv.router.tw.{i}").float() for i in range(L)])
         return Router(w, store.get("sekv.router.ttau").float(), "trained")
+    if spec != "untrained" and "sekv.router.ttau" in names and params.get("router_sha256"):
+        rf = trained_file(params)
+        if tuple(rf.w.shape[:2]) != (L, shape.n_heads) or rf.w.shape[-1] != shape.head_dim:
+            from ..errors import PackError
+
+            raise PackError(f"the trained router {rf.path.name} does not fit this model's attention shape")
+        return Router(rf.w.to(torch.float16).float(), store.get("sekv.router.ttau").float(), "trained")
     w = torch.stack([store.get(f"sekv.router.w.{i}").float() for i in range(L)])
     tau = store.get("sekv.router.tau").float()
     if params.get("tau", 0) and float(params["tau"]) > 0:
         tau = torch.full_like(tau, float(params["tau"]))
     return Router(w, tau, "pack")
+
+
+def trained_file(params: dict):
+    """The trained router file a pack was ingested with: the recorded path (``params["router"]``) when its
+    sha256 is the recorded one (``params["router_sha256"]``), else a file with that sha256 among the shipped
+    routers (sekv_core/routers/: the pack was made with another install of sekv); PackError if neither.
+    (A file at the recorded path whose sha256 differs is not reached here: :func:`load` opens it as a
+    swapped-in router, like a ``--router`` file given at ask time.)"""
+    from pathlib import Path
+
+    from ..errors import PackError
+    from . import router_file
+
+    want = str(params.get("router_sha256", ""))
+    p = Path(str(params.get("router", ""))).expanduser()
+    cands = ([p] if p.is_file() else []) + (sorted(router_file.BUILTIN_DIR.glob("*.safetensors")) if router_file.BUILTIN_DIR.is_dir() else [])
+    for c in cands:
+        if router_file.file_sha256(c) == want:
+            return router_file.load(c)
+    raise PackError(
+        f"this pack was ingested with the trained router {p.name} (sha256 {want[:12]}...), which is neither at {p} "
+        "nor among the shipped routers; pass --router FILE (that file, or another router), --router untrained, or re-ingest"
+    )
