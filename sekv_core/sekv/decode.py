@@ -98,10 +98,9 @@ class BatchedDecoder:
         persistent = (m.n_base + n_appended) * self.hkv * m.entry_bytes * self.L + m.router_bytes + self.table_bytes
         persistent += self.L * self.hkv * (m.n_spans + 8)  # the fixed-set tables (fx_keep, fx_n)
         per_slot = m.entry_bytes + _SLOT_META
-        if self.annex:  # the fixed set's mask: a column per resident entry and per annex row, for every head
-            isz = m.entry_bytes // (2 * self.d)
-            persistent += self.L * m.shape.n_heads * m.kv.k[-1].shape[-2] * isz
-            per_slot += m.shape.n_heads // self.hkv * isz
+        if self.annex:  # the fixed set's masks (_mask_bytes): the resident columns, plus a column per group's row
+            persistent += self._mask_bytes(m.kv.k[-1].shape[-2], 0)
+            per_slot += self._mask_bytes(0, 1) // (self.L * self.hkv)
         return max(0, int(m.budget * full) - persistent) // self.L // per_slot
 
     def begin_forward(self, n_new: int) -> None:
@@ -153,14 +152,23 @@ class BatchedDecoder:
         k = self.fixed_key()
         return k is not None and self.fx_key[layer] == k
 
+    def reusable_layers(self) -> list[bool]:
+        """reusable() for every layer, deciding the fixed key once (host work of each static step)."""
+        k = self.fixed_key()
+        return [k is not None and x == k for x in self.fx_key]
+
+    def _mask_bytes(self, cap: int, rows: int) -> int:
+        """A fixed set's masks: one column per resident entry (capacity cap) and per annex row, every head."""
+        isz = self.mem.entry_bytes // (2 * self.d)
+        return self.L * self.mem.shape.n_heads * (cap + rows) * isz
+
     def resident_bytes(self) -> int:
         """Device bytes beyond the resident KV + router: block tables, slot buffers (capacity), slot tables and
         the fixed set's masks (at the size they will have)."""
         m = self.mem
         b = self.table_bytes + self.L * (max(0, self.U) * (m.entry_bytes + _SLOT_META) + self.hkv * (m.n_spans + 8))
         if self.annex and self.U > 0:
-            isz = m.entry_bytes // (2 * self.d)
-            b += self.L * m.shape.n_heads * (m.kv.k[-1].shape[-2] + self.U // self.hkv) * isz
+            b += self._mask_bytes(m.kv.k[-1].shape[-2], self.U // self.hkv)
         return b
 
     # -- stats ----------------------------------------------------------------------------------------------
@@ -417,12 +425,12 @@ class BatchedDecoder:
         """Host side of a static single-token step (SekvMemory.static_begin): buffers and the visible length."""
         self.begin_forward(1)
         self.g_len.fill_(self.mem.kv.len[0] + 1)
-        self.reused_now = [self.reusable(layer) for layer in range(self.L)]  # what a replayed step does
+        self.reused_now = self.reusable_layers()  # what a replayed step does
 
     def static_key(self) -> tuple:
         """What a captured step fixed: the slot buffers, the slot count, fixed set or per-layer routing and, per
         layer, whether its set is reused."""
-        return (self.U, tuple(t.data_ptr() for t in self.rk), self.fixed_key() is not None) + tuple(self.reusable(layer) for layer in range(self.L))
+        return (self.U, tuple(t.data_ptr() for t in self.rk), self.fixed_key() is not None) + tuple(self.reusable_layers())
 
     def _length_mask(self, h: int, t: int, pos: torch.Tensor | None = None):
         """resident_mask over a whole buffer of capacity t: entries at or past g_len hidden (a device scalar)."""
