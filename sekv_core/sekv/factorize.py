@@ -108,40 +108,61 @@ def _orthonormalize(x: torch.Tensor) -> torch.Tensor:
     return x @ (w * inv.unsqueeze(-2))
 
 
-def top_eigh(g: torch.Tensor, k: int, iters: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+def _cholqr(x: torch.Tensor) -> torch.Tensor:
+    """x [B, d, k] times the inverse Cholesky factor of its (slightly shifted) k x k Gram: one Cholesky QR step.
+
+    Orthonormal up to cond(x)^2 * eps; a batched k x k Cholesky and triangular solve, far cheaper than the k x k
+    eigensolver of :func:`_orthonormalize`.  The shift keeps a rank-deficient x finite (its extra columns stay small).
+    """
+    k = x.shape[-1]
+    c = x.transpose(1, 2) @ x
+    shift = 1e-12 if x.dtype == torch.float64 else 1e-6
+    eye = torch.eye(k, dtype=x.dtype, device=x.device)
+    c = c + eye * (c.diagonal(dim1=1, dim2=2).sum(-1, keepdim=True).unsqueeze(-1) * shift + torch.finfo(x.dtype).tiny)
+    ch, _ = torch.linalg.cholesky_ex(c)
+    # x L^-T through the k x k inverse: a batched triangular solve with k right-hand sides, then one bmm, is cheaper
+    # on a GPU than the solve with d right-hand sides
+    inv = torch.linalg.solve_triangular(ch, eye.expand_as(ch), upper=False)
+    return x @ inv.transpose(1, 2)
+
+
+def top_eigh(g: torch.Tensor, k: int, iters: int = 4, exact_orth: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Leading k eigenpairs of batched symmetric PSD matrices g [B, d, d]: (values [B, k] descending,
     vectors [B, d, k]).  Subspace iteration from a fixed random start, then Rayleigh-Ritz: only k x k
     eigenproblems (k <= 32), which cuSOLVER batches, where a d x d eigh (d = 128) would loop over the batch.
     Converges to the exact leading subspace at the rate (lambda_{k+1} / lambda_j)^iters per component.
+
+    exact_orth: the block is orthonormalised before Rayleigh-Ritz by two eigen-decompositions of its Gram, which
+    turn the directions of a rank-deficient block (fewer than k independent rows) into zero columns.  False:
+    by two Cholesky QR steps instead (CholQR2; one k x k eigensolver per call instead of three), for blocks
+    known to have k independent directions (spans of at least k rows).
     """
     b, d, _ = g.shape
     gen = torch.Generator(device=g.device).manual_seed(0)
     x = g @ torch.randn(d, k, generator=gen, device=g.device, dtype=torch.float64).to(g.dtype)
-    eye = torch.eye(k, dtype=g.dtype, device=g.device)
     for _ in range(iters):
-        # Cholesky QR (a shifted k x k Cholesky: batched and far cheaper than an eigensolver) keeps the block well
-        # conditioned between products; the exact orthonormalisation happens once, below
-        c = x.transpose(1, 2) @ x
-        shift = 1e-12 if g.dtype == torch.float64 else 1e-6
-        c = c + eye * (c.diagonal(dim1=1, dim2=2).sum(-1, keepdim=True).unsqueeze(-1) * shift + torch.finfo(g.dtype).tiny)
-        ch, _ = torch.linalg.cholesky_ex(c)
-        x = g @ torch.linalg.solve_triangular(ch, x.transpose(1, 2), upper=False).transpose(1, 2)
-    x = _orthonormalize(_orthonormalize(x))  # twice: orthonormal to ~1e-15, not ~cond * 1e-16
+        # Cholesky QR keeps the block well conditioned between products; the exact orthonormalisation is below
+        x = g @ _cholqr(x)
+    if exact_orth:
+        x = _orthonormalize(_orthonormalize(x))  # twice: orthonormal to ~1e-15, not ~cond * 1e-16
+    else:
+        x = _cholqr(_cholqr(x))
     lam, z = torch.linalg.eigh(x.transpose(1, 2) @ g @ x)  # ascending
     return lam.flip(-1).clamp_min(0), (x @ z).flip(-1)
 
 
-def _decompose(a: torch.Tensor, method: str, want: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _decompose(a: torch.Tensor, method: str, want: int | None = None, rows_at_least_want: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """a [B, n, d] -> (U*sigma [B, n, k], sigma [B, k], Vt [B, k, d]), sigma descending, k = min(n, d).
 
     On CUDA, when only ``want`` < min(n, d) components are needed and d exceeds what cuSOLVER's batched
-    eigensolver takes, the leading ones come from :func:`top_eigh` (k = want).
+    eigensolver takes, the leading ones come from :func:`top_eigh` (k = want); ``rows_at_least_want`` (every
+    matrix of the batch has at least ``want`` real, unpadded rows) lets it orthonormalise by Cholesky QR.
     """
     if method == "gram" and a.is_cuda and want is not None and want < min(a.shape[1], a.shape[2]) and a.shape[2] > BATCHED_EIG_MAX and want <= BATCHED_EIG_MAX:
         # float32 and 3 iterations: 99.5% of the optimal rank-32 energy on average on key-like spectra with an
         # outlier dimension, as float64 gives (docs/gpu.md); the exact float64 path stays for full rank and the CPU
         af = a.float()
-        evals, v = top_eigh(af.transpose(1, 2) @ af, want, iters=3)
+        evals, v = top_eigh(af.transpose(1, 2) @ af, want, iters=3, exact_orth=not rows_at_least_want)
         return (af @ v).to(a.dtype), evals.sqrt().to(a.dtype), v.transpose(1, 2).to(a.dtype)
     if method == "svd":
         u, s, vt = torch.linalg.svd(a, full_matrices=False)
@@ -179,27 +200,29 @@ def decompose_spans(x: torch.Tensor, span_len: torch.Tensor, rank_max: int = 32,
     One batched decomposition per length bucket: no loop per span or head.
     """
     hkv, t, d = x.shape
-    n = span_len.long().to(x.device)
+    n_host = span_len.long().cpu()  # sizes and buckets are decided on the host: no device sync for them
+    n = n_host.to(x.device)
     s = n.numel()
     x = x.float()
     first = torch.cumsum(n, 0) - n
-    n_max = int(n.max()) if s else 0
+    n_max = int(n_host.max()) if s else 0
+    n_min = int(n_host.min()) if s else 0
     r_cap = max(0, min(rank_max, d, n_max))
     us_pad = x.new_zeros(hkv, s, n_max, r_cap)
     sig_pad = x.new_zeros(hkv, s, r_cap)
     vt_pad = x.new_zeros(hkv, s, r_cap, d)
-    bl = _bucket_len(n)
+    bl = _bucket_len(n_host)
     if x.is_cuda:  # one batched call per stage beats a few smaller ones on a GPU (launches, not FLOPs, dominate)
         bl = torch.full_like(bl, int(bl.max()) if s else 0)
     xz = torch.cat([x, x.new_zeros(hkv, 1, d)], dim=1)  # row t is the zero row used for padding
     for nb in torch.unique(bl).tolist():  # a handful of buckets, not spans
-        ids = torch.nonzero(bl == nb).flatten()
+        ids = torch.nonzero(bl == nb).flatten().to(x.device)
         j = torch.arange(nb, device=x.device)
         valid = j.view(1, -1) < n[ids].view(-1, 1)
         src = torch.where(valid, first[ids].view(-1, 1) + j.view(1, -1), torch.full_like(valid, t, dtype=torch.long))
         a = xz[:, src]  # [hkv, Sb, nb, d]
         with single_thread():
-            us, sigma, vt = _decompose(a.reshape(-1, nb, d), method, want=r_cap)
+            us, sigma, vt = _decompose(a.reshape(-1, nb, d), method, want=r_cap, rows_at_least_want=n_min >= r_cap)
         k = min(r_cap, us.shape[-1])
         m = min(nb, n_max)
         us_pad[:, ids, :m, :k] = us.reshape(hkv, -1, nb, us.shape[-1])[:, :, :m, :k]
@@ -230,7 +253,7 @@ def factorize(
     n = span_len.long().to(x.device)
     us_pad, sig_pad, vt_pad = decompose_spans(x, span_len, rank_max, method)
     hkv, s, _, r_cap = us_pad.shape
-    rank = torch.minimum(choose_rank(sig_pad.reshape(hkv * s, r_cap).cpu(), energy, rank_max).view(hkv, s).to(n.device), n.view(1, -1))
+    rank = torch.minimum(choose_rank(sig_pad.reshape(hkv * s, r_cap), energy, rank_max).view(hkv, s), n.view(1, -1))
     if keep is not None:  # the gate may only drop components the energy rule keeps (the rule bounds the pack size)
         within = torch.arange(r_cap, device=sig_pad.device).view(1, 1, -1) < rank.to(sig_pad.device).unsqueeze(-1)
         mask = keep(sig_pad) & (sig_pad > 0) & within
@@ -252,19 +275,39 @@ def pack(us_pad: torch.Tensor, vt_pad: torch.Tensor, rank: torch.Tensor, n: torc
         if not int8:
             return Factors(empty(dtype), empty(dtype), rank16)
         return Factors(empty(torch.int8), empty(torch.int8), rank16, torch.zeros(int(n.sum()) * hkv, dtype=torch.float16, device=dev), empty(torch.float16))
-    # boolean selection walks (g, i, row, col) in row-major order: exactly the packed layout
-    rows_ok = torch.arange(n_max, device=dev).view(1, 1, -1) < n.to(dev).view(1, -1, 1)  # [1, S, n_max]
-    cols_ok = torch.arange(r_cap, device=dev).view(1, 1, -1) < rank.to(dev).unsqueeze(-1)  # [Hkv, S, r_cap]
-    keep_us = rows_ok.unsqueeze(-1) & cols_ok.unsqueeze(2)
-    keep_vt = cols_ok.unsqueeze(-1).expand(-1, -1, -1, d)
+    # the packed layout walks (g, i, row, col) in row-major order over the valid rows and columns; its index is built
+    # from the block sizes, which cost one device -> host copy of the ranks (boolean selection would sync per tensor)
+    n = n.to(dev).long()
+    rank = rank.to(dev).long()
+    rank_host = rank.cpu()
+    n_host = n.cpu()
+    t = int(n_host.sum())
+    sid = torch.repeat_interleave(torch.arange(s, device=dev), n, output_size=t)  # token row -> span
+    j = torch.arange(t, device=dev) - torch.repeat_interleave(_excl_cumsum(n), n, output_size=t)  # row in its span
+    g = torch.arange(hkv, device=dev).view(-1, 1)
+    row_lens = rank[:, sid]  # [Hkv, T]: each valid row keeps its block's rank columns
+    row_starts = ((g * s + sid) * n_max + j) * r_cap
+    us_idx = _ragged(row_starts.flatten(), row_lens.flatten(), int((rank_host * n_host.view(1, -1)).sum()))
+    gi = torch.arange(hkv * s, device=dev)
+    comp = _ragged(gi * r_cap, rank.flatten(), int(rank_host.sum()))  # flat (g, i, c) of the kept components
+    vt_idx = (comp.view(-1, 1) * d + torch.arange(d, device=dev)).flatten()
     rank16 = rank.to(torch.int16)
     if not int8:
-        return Factors(us_pad[keep_us].to(dtype), vt_pad[keep_vt].to(dtype), rank16)
-    us_scale = (torch.where(keep_us, us_pad.abs(), 0.0).amax(-1) / INT8_MAX).clamp_min(1e-8).to(torch.float16)  # [Hkv, S, n_max]
+        return Factors(us_pad.flatten()[us_idx].to(dtype), vt_pad.flatten()[vt_idx].to(dtype), rank16)
+    cols_ok = torch.arange(r_cap, device=dev).view(1, 1, -1) < rank.unsqueeze(-1)  # [Hkv, S, r_cap]
+    us_scale = (torch.where(cols_ok.unsqueeze(2), us_pad.abs(), 0.0).amax(-1) / INT8_MAX).clamp_min(1e-8).to(torch.float16)  # [Hkv, S, n_max]
     us_q = torch.round(us_pad / us_scale.float().unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     vt_scale = (vt_pad.abs().amax(-1) / INT8_MAX).clamp_min(1e-8).to(torch.float16)  # [Hkv, S, r_cap]
     vt_q = torch.round(vt_pad / vt_scale.float().unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return Factors(us_q[keep_us], vt_q[keep_vt], rank16, us_scale[rows_ok.expand(hkv, -1, -1)], vt_scale[cols_ok])
+    return Factors(us_q.flatten()[us_idx], vt_q.flatten()[vt_idx], rank16, us_scale[:, sid, j].flatten(), vt_scale.flatten()[comp])
+
+
+def _ragged(starts: torch.Tensor, lens: torch.Tensor, total: int) -> torch.Tensor:
+    """Concatenation of arange(starts[e], starts[e] + lens[e]) over e (lens may be 0), given its length: no sync."""
+    if total == 0:
+        return torch.empty(0, dtype=torch.long, device=starts.device)
+    first = torch.repeat_interleave(starts - _excl_cumsum(lens), lens, output_size=total)
+    return first + torch.arange(total, device=starts.device)
 
 
 def _excl_cumsum(x: torch.Tensor) -> torch.Tensor:

@@ -63,7 +63,7 @@ def pca_init(keys: torch.Tensor, d_r: int = D_R, kbar: torch.Tensor | None = Non
     if m.is_cuda and r < d:  # cuSOLVER loops a d x d eigh over the batch; the leading r by subspace iteration
         from .factorize import top_eigh
 
-        w = top_eigh(m, r)[1].transpose(1, 2).float()
+        w = top_eigh(m, r, exact_orth=n < d)[1].transpose(1, 2).float()  # n >= d tokens: full rank, Cholesky QR
     else:
         evals, evecs = torch.linalg.eigh(m)
         w = evecs.flip(-1)[..., :r].transpose(1, 2).float()  # [Hkv, r, d], orthonormal rows
