@@ -145,14 +145,33 @@ def test_weighted_means():
     assert torch.allclose(w0, wm)
 
 
-def test_top_eigh_matches_eigh_on_span_grams():
-    """The CUDA path's subspace iteration (run here on the CPU) finds the leading eigenpairs of span Gram matrices."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_weighted_means_sparse_path_equals_index_add(device):
+    """The CSR segment sum (CUDA's path) gives index_add_'s span means, for ragged spans with empty-free gaps."""
+    from sekv_core.sekv.segment import span_token_index
+
+    g = torch.Generator().manual_seed(3)
+    start = torch.tensor([4, 9, 40, 41, 100])
+    end = torch.tensor([9, 40, 41, 97, 180])
+    pos, sid = span_token_index(start, end)
+    x = torch.randn(3, 200, 8, generator=g).to(torch.bfloat16)
+    w = span_weights(torch.rand(200, generator=g) * 5, pos, sid, 5)
+    ref = torch.stack([torch.stack([(x[h, pos[sid == i]].float() * w[sid == i].view(-1, 1)).sum(0) for i in range(5)]) for h in range(3)])
+    a = weighted_means(x.to(device), pos, sid, w, 5, sparse=False).cpu()
+    b = weighted_means(x.to(device), pos, sid, w, 5, sparse=True).cpu()
+    assert torch.allclose(a, ref, atol=1e-5) and torch.allclose(b, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("exact_orth", [True, False])
+def test_top_eigh_matches_eigh_on_span_grams(exact_orth):
+    """The CUDA path's subspace iteration (run here on the CPU) finds the leading eigenpairs of span Gram matrices,
+    orthonormalising by eigen-decompositions or by Cholesky QR (spans of at least 32 rows)."""
     g = torch.Generator().manual_seed(5)
     # 40 spans of 90 rows, d 128: a decaying spectrum like keys' (plus noise), and pure noise (the hard case)
     a = torch.randn(40, 90, 16, generator=g, dtype=torch.float64) @ torch.randn(40, 16, 128, generator=g, dtype=torch.float64)
     a = torch.cat([a + 0.1 * torch.randn(40, 90, 128, generator=g, dtype=torch.float64), torch.randn(8, 90, 128, generator=g, dtype=torch.float64)])
     gram = a.transpose(1, 2) @ a
-    lam, v = fz.top_eigh(gram, 32)
+    lam, v = fz.top_eigh(gram, 32, exact_orth=exact_orth)
     ref = torch.linalg.eigh(gram).eigenvalues.flip(-1)[:, :32]
     assert torch.allclose(v.transpose(1, 2) @ v, torch.eye(32, dtype=torch.float64).expand(48, -1, -1), atol=1e-10)
     assert torch.allclose(lam[:40, :16], ref[:40, :16], rtol=1e-6)  # the signal components: exact
@@ -161,14 +180,16 @@ def test_top_eigh_matches_eigh_on_span_grams():
     assert got[:40].min() > 1 - 1e-4 and got.min() > 0.98 and got.max() < 1 + 1e-9
 
 
-def test_decompose_subspace_path_equals_eigh_path_on_low_rank():
-    """The subspace path (forced here on the CPU) reconstructs a rank-<=32 span as well as the exact one."""
+@pytest.mark.parametrize("exact_orth", [True, False])
+def test_decompose_subspace_path_equals_eigh_path_on_low_rank(exact_orth):
+    """The subspace path (forced here on the CPU) reconstructs a rank-<=32 span as well as the exact one, also when
+    Cholesky QR orthonormalises a block with fewer independent directions (12) than components (32)."""
     x = _low_rank(2, LENS[LENS > 32], 128, rank=12, seed=7)
     lens = LENS[LENS > 32]
     a = fz.decompose_spans(x, lens, 32)
     orig = fz._decompose
     try:
-        fz._decompose = lambda t, method, want=None: (lambda ad: (lambda ev: ((ad @ ev[1]).float(), ev[0].sqrt().float(), ev[1].transpose(1, 2).float()))(fz.top_eigh(ad.transpose(1, 2) @ ad, want)))(t.double())
+        fz._decompose = lambda t, method, want=None, rows_at_least_want=False: (lambda ad: (lambda ev: ((ad @ ev[1]).float(), ev[0].sqrt().float(), ev[1].transpose(1, 2).float()))(fz.top_eigh(ad.transpose(1, 2) @ ad, want, exact_orth=exact_orth)))(t.double())
         b = fz.decompose_spans(x, lens, 32)
     finally:
         fz._decompose = orig
