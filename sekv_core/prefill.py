@@ -19,6 +19,7 @@ from .methods.full import FullMemory
 
 DEFAULT_CHUNK = 1024
 _HEAD_BLOCK = 256
+_HEAD_BLOCK_CUDA = 2048  # rows of float32 logits at once on a GPU (1 GB at a 128K vocabulary)
 
 
 def prefill(
@@ -43,21 +44,23 @@ def prefill(
     else:
         memory = FullMemory.empty(shape, device, capacity=n)
     head = model.get_output_embeddings()
-    surprisal = torch.zeros(n, dtype=torch.float32)
+    surprisal = torch.zeros(n, dtype=torch.float32, device=device)  # to the host once, at the end: no sync per block
+    block = _HEAD_BLOCK_CUDA if device.type == "cuda" else _HEAD_BLOCK
     for start in range(0, n, chunk):
         piece = ids[:, start : start + chunk]
         hidden = runtime.forward_hidden(model, piece, start, memory)[0]
         if with_surprisal:
-            # logits at position t predict token t+1
+            # logits at position t predict token t+1; -log p = logsumexp(logits) - logit of the target
             targets = ids[0, start + 1 : start + piece.shape[1] + 1]
             with torch.inference_mode():
-                for b in range(0, targets.numel(), _HEAD_BLOCK):
-                    logp = torch.log_softmax(head(hidden[b : b + _HEAD_BLOCK]).float(), dim=-1)
-                    tgt = targets[b : b + _HEAD_BLOCK]
-                    s = -logp[: tgt.numel()].gather(1, tgt.view(-1, 1)).squeeze(1)
-                    surprisal[start + 1 + b : start + 1 + b + tgt.numel()] = s.cpu()
+                for b in range(0, targets.numel(), block):
+                    tgt = targets[b : b + block]
+                    logits = head(hidden[b : b + tgt.numel()]).float()
+                    s = logits.logsumexp(-1) - logits.gather(1, tgt.view(-1, 1)).squeeze(1)
+                    surprisal[start + 1 + b : start + 1 + b + tgt.numel()] = s
         if progress:
             progress(min(start + chunk, n), n)
+    surprisal = surprisal.cpu()
     keys = [memory.kv.k[i][0, :, :n] for i in range(shape.n_layers)]
     values = [memory.kv.v[i][0, :, :n] for i in range(shape.n_layers)]
     scores = memory.export() if capture else {}
