@@ -13,7 +13,7 @@ from rich.text import Text
 
 from sekv_core.session import Session
 
-from .common import user_errors, BudgetOpt, DeviceOpt, MethodOpt, ModelOpt, RouterOpt, RoutingOpt, method_overrides
+from .common import user_errors, BudgetOpt, CompileOpt, DeviceOpt, MethodOpt, ModelOpt, RouterOpt, RoutingOpt, method_overrides
 from .display import err, human_bytes, kv_table, model_progress, out, stats_rows
 from .evidence import evidence_rows
 
@@ -112,7 +112,9 @@ def ask(
     routing: str = RoutingOpt,
     model: str = ModelOpt,
     device: str = DeviceOpt,
+    compile_layers: bool = CompileOpt,
 ) -> None:
     """Answer QUESTION from PACK without re-reading the document."""
     session = open_session(pack, model, method, budget, device, quiet=as_json, router=router, routing=routing)
+    session.compile_layers = compile_layers
     run_question(session, question, max_new_tokens, as_json, show_evidence)

@@ -10,7 +10,7 @@ from sekv_core.errors import SekvError
 from sekv_core.prompt import Turn
 
 from .cmd_ask import open_session, run_question
-from .common import user_errors, BudgetOpt, DeviceOpt, MethodOpt, ModelOpt, RouterOpt, RoutingOpt
+from .common import user_errors, BudgetOpt, CompileOpt, DeviceOpt, MethodOpt, ModelOpt, RouterOpt, RoutingOpt
 from .display import err, kv_table, stats_rows
 
 HELP = """commands:
@@ -33,9 +33,11 @@ def chat(
     routing: str = RoutingOpt,
     model: str = ModelOpt,
     device: str = DeviceOpt,
+    compile_layers: bool = CompileOpt,
 ) -> None:
     """Ask questions about PACK's document, one after another."""
     session = open_session(pack, model, method, budget, device, quiet=False, router=router, routing=routing)
+    session.compile_layers = compile_layers
     doc = session.pack.manifest["document"]["name"]
     err.print(f"[bold]{doc}[/] ({session.base_tokens} tokens, method {session.method}). /help for commands, Ctrl-D to quit.")
     turns: list[Turn] = []

@@ -13,6 +13,10 @@ MODEL_HELP = "embedded model name (see `sekv models list`), a local HF model dir
 ModelOpt = typer.Option(None, "--model", "-m", help=MODEL_HELP)
 DeviceOpt = typer.Option(None, "--device", help="cpu, cuda or cuda:N (default: cuda when available)")
 MethodOpt = typer.Option(None, "--method", help=f"cache method (default at ingest: {DEFAULT_METHOD})")
+CompileOpt = typer.Option(
+    False, "--compile", help="fuse the model's small kernels in decode steps with torch.compile (CUDA only, ignored on the CPU; "
+    "a one-time compile of seconds to a minute, so it pays in chat sessions and long answers)"
+)
 BudgetOpt = typer.Option(None, "--budget", min=0.0, max=1.0, help="resident KV budget as a fraction of the full KV cache (sekv)")
 
 

@@ -47,18 +47,19 @@ def generate(
     on_token: Callable[[int], None] | None = None,
     on_step: Callable[[KVMemory], None] | None = None,
     graphs: bool | None = None,
+    compile_layers: bool = False,
 ) -> tuple[list[int], DecodeStats]:
     """Greedy answer to question_ids from a memory.  graphs: run single-token steps through GraphedStep (one
     captured CUDA graph per step; on the CPU the same static path, eagerly) when the memory supports it;
-    None = on CUDA."""
+    None = on CUDA.  compile_layers: those steps' decoder layers run torch.compile'd (GraphedStep)."""
     device = next(model.parameters()).device
     if graphs is None:
         graphs = device.type == "cuda"
     graphed = None
     if graphs and GraphedStep.supported(model, memory):  # one per (memory, model), kept: its graph serves later asks
         graphed = getattr(memory, "_graphed_step", None)
-        if graphed is None or graphed.model is not model:
-            graphed = memory._graphed_step = GraphedStep(model, memory)
+        if graphed is None or graphed.model is not model or graphed.compile_layers != compile_layers:
+            graphed = memory._graphed_step = GraphedStep(model, memory, compile_layers=compile_layers)
     stats = DecodeStats(question_tokens=len(question_ids))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -23,10 +23,20 @@ that the others reuse) it stays eager and the next step is captured.  So a
 graph captured for one answer serves the next answers too, whose first step
 runs eagerly.  Off CUDA (tests), the same
 static path runs eagerly, so what is captured is the code the CPU tests check.
+
+``compile_layers=True`` also fuses the model's own small kernels (norms, rotary,
+activation, residual adds): inside a static step every decoder layer runs
+through one ``torch.compile``d function shared by all layers (the attention
+call stays eager: it is the memory's, a graph break).  Single-token shapes only,
+so it compiles once per model shape (seconds to a minute), then the captured
+graph holds the fused kernels.  Off by default: it pays in long sessions, not
+in one ``sekv ask``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Hashable
 
 import torch
@@ -35,9 +45,37 @@ from . import runtime
 from .methods.base import KVMemory
 
 
+def _compiled_layer_call():
+    """One compiled function for every decoder layer: the layer is an argument, its parameters graph inputs, so
+    all layers of a model (same code and shapes) share one compilation."""
+    global _LAYER_CALL
+    if _LAYER_CALL is None:
+        runtime.compilable()
+        _LAYER_CALL = torch.compile(lambda layer, *args, **kw: type(layer).forward(layer, *args, **kw), dynamic=False)
+    return _LAYER_CALL
+
+
+_LAYER_CALL = None
+
+
+@contextlib.contextmanager
+def compiled_layers(model):
+    """Within the block, the model's decoder layers run through :func:`_compiled_layer_call`."""
+    call = _compiled_layer_call()
+    layers = list(model.get_decoder().layers)
+    for layer in layers:
+        layer.forward = functools.partial(call, layer)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
 class GraphedStep:
-    def __init__(self, model, memory: KVMemory, capture: bool | None = None):
+    def __init__(self, model, memory: KVMemory, capture: bool | None = None, compile_layers: bool = False):
         self.model, self.memory = model, memory
+        self.compile_layers = compile_layers
         dev = next(model.parameters()).device
         self.capture = dev.type == "cuda" if capture is None else capture
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
@@ -73,7 +111,8 @@ class GraphedStep:
         return out
 
     def _forward(self) -> torch.Tensor:
-        with runtime.using(self.memory), self.memory.static_mode(), torch.inference_mode():
+        fused = compiled_layers(self.model) if self.compile_layers else contextlib.nullcontext()
+        with runtime.using(self.memory), self.memory.static_mode(), torch.inference_mode(), fused:
             return self.model.get_decoder()(input_ids=self.tok, position_ids=self.pos, use_cache=False).last_hidden_state
 
     def _eager_then_capture(self, key: Hashable) -> torch.Tensor:

@@ -51,6 +51,16 @@ def _no_mask(*args, **kwargs):
     return None
 
 
+def compilable() -> None:
+    """Make the attention hook a graph break for torch.compile (it is the memory's code, run eagerly); called
+    once, when a compiled decode step is first asked for (sekv_core/graphed_step.py)."""
+    global _attention
+    if not getattr(_attention, "_sekv_disabled", False):
+        _attention = torch.compiler.disable(_attention)
+        _attention._sekv_disabled = True
+        _register()
+
+
 def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface

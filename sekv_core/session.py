@@ -28,6 +28,7 @@ class Session:
         self.pack, self.lm, self.method, self.params, self.memory, self.load_s = pack, lm, method, params, memory, load_s
         self.base_tokens = memory.n_tokens()
         self.stop_ids = prompt.stop_token_ids(lm.tokenizer, getattr(lm.model, "generation_config", None))
+        self.compile_layers = False  # on CUDA, decode steps' decoder layers torch.compile'd (sekv_core/graphed_step.py)
 
     @classmethod
     def open(
@@ -75,7 +76,8 @@ class Session:
         stream = TextStream(self.lm.tokenizer, on_text) if on_text else None
         try:
             ids, stats = generate(
-                self.lm.model, self.memory, q_ids, max_new_tokens=max_new_tokens, stop_ids=self.stop_ids, on_token=stream, on_step=on_step
+                self.lm.model, self.memory, q_ids, max_new_tokens=max_new_tokens, stop_ids=self.stop_ids, on_token=stream, on_step=on_step,
+                compile_layers=self.compile_layers and next(self.lm.model.parameters()).device.type == "cuda",
             )
         finally:
             self.memory.truncate(self.base_tokens)

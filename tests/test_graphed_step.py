@@ -20,11 +20,11 @@ from test_sekv_method import EXACT, _setup, tiny
 QUESTION = [5, 17, 42, 99, 7, 250]
 
 
-def _steps(model, mem, static: bool, n: int, start: torch.Tensor) -> torch.Tensor:
+def _steps(model, mem, static: bool, n: int, start: torch.Tensor, compile_layers: bool = False) -> torch.Tensor:
     """Logits of n greedy single-token steps after a question forward (ordinary), by either path."""
     head = model.get_output_embeddings()
     logits = [runtime.forward_logits(model, start, mem.n_tokens(), mem)]
-    step = GraphedStep(model, mem) if static else None
+    step = GraphedStep(model, mem, compile_layers=compile_layers) if static else None
     for _ in range(n):
         nxt = logits[-1].argmax(-1)
         if static:
@@ -87,6 +87,42 @@ def test_generate_with_static_steps_equals_generate():
     b, _ = generate(model, mem, QUESTION, max_new_tokens=5, stop_ids=set(), graphs=True)
     c, _ = generate(model, full, QUESTION, max_new_tokens=5, stop_ids=set(), graphs=True)
     assert a == b == c
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_compiled_layer_steps_equal_ordinary_steps(device):
+    """Static steps whose decoder layers run torch.compile'd (one compilation shared by the layers, the memory's
+    attention a graph break; captured on CUDA) give the ordinary steps' logits, for full and sekv; the layers are
+    left as they were."""
+    import torch._dynamo
+
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=400, budget=0.5, min_span=10, window=16)
+    if device == "cuda":
+        model = model.cuda()
+    dev = torch.device(device)
+
+    def memories():
+        yield FullMemory(GrowingKV.from_tensors([k.to(dev) for k in res.keys], [v.to(dev) for v in res.values], device, extra=len(QUESTION) + 3), res.shape)
+        m = methods.get("sekv").open(store, p, res.shape, device)
+        m.batched = True
+        yield m
+
+    def run(compiled: bool) -> list[torch.Tensor]:
+        out = []
+        for m in memories():
+            q = torch.tensor([QUESTION], device=dev)
+            m.prepare_question(lambda: runtime.forward_hidden(model, q, m.n_tokens(), m))
+            out.append(_steps(model, m, True, 5, q, compile_layers=compiled)[0].cpu())
+        return out
+
+    plain = run(False)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for a, b in zip(plain, run(True)):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
+    # compiled once for all layers (the graph break splits a layer in two), and nothing left patched
+    assert 2 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4
+    assert all("forward" not in vars(layer) for layer in model.get_decoder().layers)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
