@@ -6,7 +6,7 @@
   fixed-stride blocks straight from pinned host memory (sekv/blocks.py: the UVA view);
 * device -> host of pack-sized data (2 GiB): into fresh ordinary memory, and page-locking + copying.
 
-    python benchmarks/gpu_micro.py
+    python benchmarks/gpu_micro.py [--eig-only]
 """
 
 from __future__ import annotations
@@ -33,9 +33,29 @@ def timed(fn, reps=3):
     return (time.perf_counter() - t) / reps
 
 
+def eig_variants(out: dict, dev) -> None:
+    """The compress path's eigensolver at the 128K / Llama-3-8B scale of one layer's K (11,904 span matrices of
+    160 x 128, float32): Rayleigh-Ritz after orthonormalising by eigensolvers (exact_orth) or by Cholesky QR."""
+    g0 = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(11904, 160, 128, device=dev, generator=g0)
+    a = a * torch.logspace(0, -1.5, 128, device=dev)
+    g = a.transpose(1, 2) @ a
+    ref = None
+    for exact in (True, False):
+        out[f"top_eigh32_f32_b11904_exact_orth_{exact}_s"] = timed(lambda: fz.top_eigh(g, 32, iters=3, exact_orth=exact))
+        lam, v = fz.top_eigh(g, 32, iters=3, exact_orth=exact)
+        energy = ((a @ v).norm(dim=(1, 2)) ** 2).double()
+        ref = energy if ref is None else ref
+        out[f"top_eigh32_energy_vs_exact_orth_{exact}"] = float((energy / ref).min())
+
+
 def main():
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     dev = torch.device("cuda")
+    eig_variants(out, dev)
+    if "--eig-only" in sys.argv:
+        print(json.dumps(out), flush=True)
+        return out
     for b in (512, 8192):
         a = torch.randn(b, 96, 128, device=dev, dtype=torch.float64)
         g = a.transpose(1, 2) @ a

@@ -29,6 +29,7 @@ Peak GPU memory is the decode phase's (after ingest, prefill buffers freed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -122,18 +123,18 @@ def gpu_busy(fn) -> dict:
             "top": [(round(t / 1000.0, 3), c, k[:60]) for t, c, k in rows[:8]]}
 
 
-def decode_bench(model, memory, steps: int, repeats: int, graphs: bool = False, per_answer=None) -> dict:
+def decode_bench(model, memory, steps: int, repeats: int, graphs: bool = False, compiled: bool = False, per_answer=None) -> dict:
     """One "answer" = `steps` single-token steps from the memory's document state; the memory returns to that
     state between answers.  Each step is timed with CUDA events.  ms_per_token: median over answers of the mean
     step; steady_ms_per_token: median of the steps after the first (under scout routing the first one fetches
     and rebuilds the fixed set, the others reuse it); first_step_ms likewise.  graphs: steps run through
-    GraphedStep (one captured CUDA graph per step).  per_answer(): called before each answer (e.g. a new ranking).
+    GraphedStep (one captured CUDA graph per step); compiled: its decoder layers torch.compile'd.  per_answer(): called before each answer (e.g. a new ranking).
     Stats are read once per answer (reading them syncs), not per step."""
     from sekv_core.graphed_step import GraphedStep
 
     base = memory.n_tokens()
     tok = torch.tensor([[11]], device="cuda")
-    graphed = GraphedStep(model, memory) if graphs else None
+    graphed = GraphedStep(model, memory, compile_layers=compiled) if graphs else None
 
     def step():
         if graphed is not None:
@@ -259,9 +260,12 @@ def main() -> None:
     ap.add_argument("--prefault-arena", action="store_true", help="sekv: allocate the pack's host memory and touch every page during the prefill")
     ap.add_argument("--routing", default="scout", choices=["scout", "per_layer"],
                     help="scout (default, as the product): one random ranking per answer, fixed set; per_layer: random gates every step")
-    ap.add_argument("--modes", default="eager,graphs", help="decode modes: eager (per-layer graphs for sekv's part), graphs (whole step captured)")
+    ap.add_argument("--modes", default="eager,graphs", help="decode modes: eager (per-layer graphs for sekv's part), graphs (whole step captured), "
+                    "compiled (whole step captured, decoder layers torch.compile'd: GraphedStep(compile_layers=True))")
     ap.add_argument("--factor-bits", type=int, default=8, choices=[4, 8],
                     help="sekv pack storage of the factors (4: the at-rest codec, decoded to int8 on the CPU at open)")
+    ap.add_argument("--no-stage-times", action="store_true",
+                    help="time the ingest as the product runs it: without the per-stage timers (each synchronises the stream)")
     ap.add_argument("--scout-pass", action="store_true", help="also time the scout pass (prepare_question) of a 32-token question")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
@@ -308,7 +312,7 @@ def main() -> None:
                 gc.collect()
                 torch.cuda.empty_cache()
                 for mode in modes:
-                    r = decode_bench(model, mem, a.steps, a.repeats, graphs=mode == "graphs")
+                    r = decode_bench(model, mem, a.steps, a.repeats, graphs=mode != "eager", compiled=mode == "compiled")
                     row.update({f"full_{mode}_{k}": v for k, v in r.items()})
                 row["full_kv_bytes"] = n * shape.kv_bytes_per_token()
                 del mem
@@ -325,10 +329,10 @@ def main() -> None:
                 torch.cuda.synchronize()
                 t_pre = time.perf_counter() - t
                 t_c = time.perf_counter()
-                with stage_timers() as stages:
+                with (contextlib.nullcontext({}) if a.no_stage_times else stage_timers()) as stages:
                     tensors = method.compress(res, params)
                 torch.cuda.synchronize()
-                row["sekv_compress_stages_s"] = {k: round(v, 4) for k, v in stages.items()}
+                row["sekv_compress_stages_s"] = {k: round(v, 4) for k, v in stages.items()} if stages else "not timed (--no-stage-times)"
                 row["sekv_prefill_s"] = t_pre
                 row["sekv_compress_s"] = time.perf_counter() - t_c
                 row["sekv_ingest_s"] = time.perf_counter() - t
@@ -349,7 +353,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
                 per_answer = scout_answer(mem) if a.routing == "scout" else None
                 for mode in modes:
-                    r = decode_bench(model, mem, a.steps, a.repeats, graphs=mode == "graphs", per_answer=per_answer)
+                    r = decode_bench(model, mem, a.steps, a.repeats, graphs=mode != "eager", compiled=mode == "compiled", per_answer=per_answer)
                     row.update({f"sekv_{mode}_{k}": v for k, v in r.items()})
                     print(json.dumps({"config": cname, "context": n, "mode": mode, "full_ms": row.get(f"full_{mode}_steady_ms_per_token"),
                                       "sekv_ms": r["steady_ms_per_token"], "sekv_first_ms": r["first_step_ms"]}), flush=True)
