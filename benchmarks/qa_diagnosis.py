@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--param", action="append", default=[], help="sekv parameter override KEY=VALUE (e.g. factor_bits=8), repeatable")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--modes", default="scout,forced,zoom_all", help="comma-separated subset of scout,forced,zoom_all")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     lm = models.load(a.model, device="cpu")
@@ -57,14 +58,16 @@ def main() -> None:
         t0 = time.perf_counter()
         text = prompt.document_prefix(tok, load_document(d / doc).text)
         ids = torch.tensor(prompt.encode(tok, text))
-        pre = prefill(model, ids, with_surprisal=True)
         extra = {k: json.loads(v) if v[:1].isdigit() or v in ("true", "false") else v for k, v in (x.split("=", 1) for x in a.param)}
         params = sekv.resolve_params({"budget": a.budget, **extra})
+        # as `sekv ingest` prefills (sekv_core/ingest.py): the document end's queries give the scout's profile
+        pre = prefill(model, ids, with_surprisal=True, capture=tuple(x for x in sekv.needs_scores if x != "token_text"), obs_window=sekv.obs_window(params))
         tensors = {k: v.cpu() for k, v in sekv.compress(pre, params).items()}
+        pack_ratio = sum(v.numel() * v.element_size() for v in tensors.values()) / (ids.numel() * shape.kv_bytes_per_token())
         mem = sekv.open(DictStore(tensors), params, shape, "cpu")
         all_mem = sekv.open(DictStore(tensors), sekv.resolve_params({"budget": a.budget, **extra, "zoom": "all"}), shape, "cpu")
         base = mem.n_tokens()
-        print(f"{doc}: {ids.numel()} tokens, {mem.n_spans} spans, prefill+compress {time.perf_counter() - t0:.0f} s", flush=True)
+        print(f"{doc}: {ids.numel()} tokens, {mem.n_spans} spans, prefill+compress {time.perf_counter() - t0:.0f} s, pack tensors / raw KV {pack_ratio:.4f}", flush=True)
         for n, q, answers in qs:
             hit = next((x for x in answers if re.search(re.escape(x), text, re.IGNORECASE)), None)
             spans = []
@@ -94,10 +97,15 @@ def main() -> None:
                 memory.truncate(base)
                 return tok.decode(out, skip_special_tokens=True).strip()
 
-            ans = {"scout": ask(mem)}
+            modes = a.modes.split(",")
+            ans = {}
+            if "scout" in modes:
+                ans["scout"] = ask(mem)
             scout_rank, scout_kept = ranks.get("rank"), dict(kept)
-            ans["forced"] = ask(mem, force=True)
-            ans["zoom_all"] = ask(all_mem)
+            if "forced" in modes:
+                ans["forced"] = ask(mem, force=True)
+            if "zoom_all" in modes:
+                ans["zoom_all"] = ask(all_mem)
 
             def ok(s: str) -> bool:
                 return any(re.search(r"\b" + re.escape(x) + r"\b", s, re.IGNORECASE) for x in answers)
@@ -108,7 +116,8 @@ def main() -> None:
                    "answers": ans, "correct": {k: ok(v) for k, v in ans.items()}}
             rows.append(row)
             print(json.dumps(row, ensure_ascii=False), flush=True)
-    print("\ncorrect: " + ", ".join(f"{k} {sum(r['correct'][k] for r in rows)}/{len(rows)}" for k in ("scout", "forced", "zoom_all")))
+            print(f"  -> {doc[:10]} Q{n}: " + " | ".join(f"{k}: {'OK' if row['correct'][k] else 'x'} {v!r}" for k, v in ans.items()), flush=True)
+    print("\ncorrect: " + ", ".join(f"{k} {sum(r['correct'][k] for r in rows)}/{len(rows)}" for k in ("scout", "forced", "zoom_all") if k in rows[0]["correct"]))
     if a.out:
         Path(a.out).write_text(json.dumps({"budget": a.budget, "model": a.model, "params": a.param, "rows": rows}, indent=1, ensure_ascii=False))
 
