@@ -169,11 +169,16 @@ def test_memory_never_exceeds_budget():
             for layer in range(pf.shape.n_layers):
                 mem.attend(layer, scale * torch.randn(1, 4, q_new, 16, generator=g), torch.randn(1, 2, q_new, 16, generator=g), torch.randn(1, 2, q_new, 16, generator=g), 0.25)
             st = mem.step_stats()
-            persistent = mem.resident_bytes()
+            # the budget is b x the document's full KV; the appended tokens (question, answer) are resident on
+            # top of it and reported apart: exactly their K/V bytes
+            appended = st.extra["appended_bytes"]
+            assert appended == (mem.n_tokens() - n) * pf.shape.kv_bytes_per_token()
             budget_bytes = st.extra["budget_bytes"]
-            if persistent <= budget_bytes:
-                assert st.resident_bytes <= budget_bytes, (seed, step)
-            else:  # nothing may be expanded once the persistent part alone is over budget
+            assert budget_bytes == int(budget * n * pf.shape.kv_bytes_per_token())
+            persistent = mem.resident_bytes()
+            if persistent - appended <= budget_bytes:
+                assert st.resident_bytes - appended <= budget_bytes, (seed, step)
+            else:  # nothing may be expanded once the document's persistent part alone is over budget
                 assert st.resident_bytes == persistent
         mem.truncate(n)
         assert mem.n_tokens() == n

@@ -103,8 +103,9 @@ def test_scout_ranking_is_shared_by_every_layer_within_the_budget():
         ranked = torch.argsort(mem.shared_prio, descending=True)
         assert bool(kept[ranked[0]])
     x = mem.step_stats()
-    assert x.resident_bytes <= x.extra["budget_bytes"]
-    assert stats.resident_kv_bytes_peak <= x.extra["budget_bytes"]
+    # the question's and answer's tokens are resident on top of b x the document's KV (reported apart)
+    assert x.resident_bytes - x.extra["appended_bytes"] <= x.extra["budget_bytes"]
+    assert stats.resident_kv_bytes_peak <= x.extra["budget_bytes"] + x.extra["appended_bytes"]
 
 
 def test_per_layer_routing_has_no_shared_ranking():
@@ -236,3 +237,57 @@ def test_fixed_set_attention_equals_reference_step(kind, monkeypatch):
     sx, sy = fast.step_stats().extra, ref.step_stats().extra
     assert sx["span_zoom_counts"] == sy["span_zoom_counts"] and 0 < sx["zoom_spans_total"] < fast.n_spans
     assert sx["h2d_bytes_step"] == 0 and sy["h2d_bytes_step"] >= 0
+
+
+def test_zoom_layers_take_the_whole_room_and_the_others_none():
+    """zoom_from / zoom_to: only those layers reconstruct, each with an equal share of the whole expansion room
+    (b x the document's KV minus its persistent part); the budget holds, the question's tokens on top."""
+    from sekv_core.generate import generate
+
+    model, res, store, p, mem = _memory(n=600, budget=0.3, min_span=10, window=16, zoom_from=1)
+    held = []
+    generate(model, mem, QUESTION, max_new_tokens=4, stop_ids=set(), on_step=lambda m: held.append([h[0].clone() if h else None for h in m._held]))
+    L = res.shape.n_layers
+    doc_persistent = mem.n_base * res.shape.n_kv_heads * mem.entry_bytes * L + mem.router_bytes
+    assert mem._cap == mem._budget_bytes - doc_persistent  # one zooming layer: the whole room
+    cost = mem.span_len * mem.entry_bytes
+    for step in held:
+        assert step[0] is None  # layer 0 keeps coarse entries only
+        assert step[1] is not None and int((step[1].long() * cost).sum()) <= mem._cap
+        assert int((step[1].long() * cost).sum()) > (mem._budget_bytes - doc_persistent) // L  # more than an equal share
+    x = mem.step_stats()
+    assert x.resident_bytes - x.extra["appended_bytes"] <= x.extra["budget_bytes"]
+
+
+def test_profile_clip_subtracts_only_the_profiles_outliers():
+    model, res, store, p, mem = _memory(n=600, budget=0.3, min_span=10, window=16)
+    q = torch.tensor([QUESTION])
+    prios = {}
+    for clip in (0.0, 1.0):
+        mem.params = {**mem.params, "profile_clip": clip}
+        mem.prepare_question(lambda: runtime.forward_hidden(model, q, mem.n_tokens(), mem))
+        prios[clip] = mem.shared_prio.clone()
+    prof, w = mem.scout_profile, float(mem.params["profile_weight"])
+    clipped = (prof - prof.std()).clamp_min(0)
+    assert bool((clipped > 0).any()) and bool((clipped == 0).any())
+    assert torch.allclose(prios[1.0] - prios[0.0], w * (prof - clipped), atol=1e-5)
+
+
+def test_zoom_outer_weights_the_layers_outside_the_band():
+    """zoom_outer = 0.5: a layer outside [zoom_from, zoom_to) gets half the share of one inside; each layer keeps
+    within its own share, and the shares add up to the room."""
+    from sekv_core.generate import generate
+
+    model, res, store, p, mem = _memory(n=600, budget=0.3, min_span=10, window=16, zoom_from=1, zoom_outer=0.5)
+    held = []
+    generate(model, mem, QUESTION, max_new_tokens=3, stop_ids=set(), on_step=lambda m: held.append([h[0].clone() if h else None for h in m._held]))
+    L = res.shape.n_layers
+    room = mem._budget_bytes - (mem.n_base * res.shape.n_kv_heads * mem.entry_bytes * L + mem.router_bytes)
+    assert mem._cap == int(room / 1.5) and mem._cap_outer == int(room / 1.5 * 0.5)
+    assert mem._cap + mem._cap_outer <= room
+    cost = mem.span_len * mem.entry_bytes
+    for step in held:
+        kept = [0 if k is None else int((k.long() * cost).sum()) for k in step]
+        assert kept[0] <= mem._cap_outer and kept[1] <= mem._cap and kept[1] > 0
+    x = mem.step_stats()
+    assert x.resident_bytes - x.extra["appended_bytes"] <= x.extra["budget_bytes"]

@@ -133,8 +133,12 @@ class SekvMemory(KVMemory):
             f = fz.stack_kv(*(self._factors(store, names, f"sekv.{kind}.{i}", device) for kind in ("fk", "fv")))
             self.factors.append((f, fz.Layout.of(f, self.span_len, d)))
         self.cuda = device.type == "cuda"
-        # accelerators take the batched, sync-free step (sekv/decode.py); the CPU keeps the reference step
-        self.batched = self.cuda
+        # accelerators take the batched, sync-free step (sekv/decode.py); the CPU keeps the reference step.  The
+        # batched step sizes one slot buffer for every layer, so a zoom limited to some layers (zoom_from /
+        # zoom_to) takes the reference step there too
+        L_all = shape.n_layers
+        z0, z1 = int(params.get("zoom_from", 0)), int(params.get("zoom_to", 0)) or L_all
+        self.batched = self.cuda and ((z0 <= 0 and z1 >= L_all) or float(params.get("zoom_outer", 0.0)) >= 1.0)
         self._dec = None
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
@@ -222,6 +226,7 @@ class SekvMemory(KVMemory):
                 "zoom_rate_per_layer": rates,
                 "span_zoom_counts": counts,
                 "budget_bytes": int(self._budget_bytes),
+                "appended_bytes": int(self._appended_bytes),
             },
         )
 
@@ -236,6 +241,9 @@ class SekvMemory(KVMemory):
         self._steps = 0
         self._h2d_step = self._h2d_total = 0
         self._budget_bytes = 0
+        self._appended_bytes = 0
+        self._zoom_from, self._zoom_to = 0, self.shape.n_layers
+        self._cap_outer = 0
         self._stats_stale = False
         self._reused = 0
         self._scout_ready, self._scout_pending = getattr(self, "_scout_pending", False), False
@@ -254,7 +262,11 @@ class SekvMemory(KVMemory):
         try:
             forward()
             w = float(self.params.get("profile_weight", 0.75))
-            rank = self._scout_sum if self.scout_profile is None else self._scout_sum - w * self.scout_profile
+            prof = self.scout_profile
+            clip = float(self.params.get("profile_clip", 0.0))
+            if prof is not None and clip > 0:  # only the spans that stand out in the profile (mean 0: a sum of z-scores)
+                prof = (prof - clip * prof.std()).clamp_min(0)
+            rank = self._scout_sum if prof is None else self._scout_sum - w * prof
             self.shared_prio.copy_(rank)
             self.prio_version += 1
             self._scout_pending = True
@@ -333,17 +345,33 @@ class SekvMemory(KVMemory):
         self._step_spans = torch.zeros(self.n_spans, dtype=torch.bool)
         self._h2d_step = 0
         self._expanded_bytes = 0
-        # persistent bytes once this forward's tokens are appended
+        # the budget is b x the full KV of the DOCUMENT's tokens, against the document's persistent part (full-res
+        # tokens, coarse entries, router state) plus the reconstructed spans; the question's and generated tokens
+        # (the appended tail) are resident on top, like the baselines that never compress the question, and are
+        # reported separately (step_stats: appended_bytes)
         L = self.shape.n_layers
-        persistent = (self.kv.len[-1] + n_new) * self.shape.n_kv_heads * self.entry_bytes * L + self.router_bytes
-        full = (self.n_tokens() + n_new) * self.shape.kv_bytes_per_token()
-        self._persistent = persistent
+        per_tok = self.shape.n_kv_heads * self.entry_bytes * L
+        appended = (self.kv.len[-1] + n_new - self.n_base) * per_tok
+        doc_persistent = self.n_base * per_tok + self.router_bytes
+        persistent = doc_persistent + appended
+        self._persistent, self._appended_bytes = persistent, appended
         if self.budget is None or self.zoom == "all":
-            self._budget_bytes = full if self.budget is None else int(self.budget * full)
+            full = (self.n_tokens() + n_new) * self.shape.kv_bytes_per_token()
+            self._budget_bytes = full if self.budget is None else int(self.budget * self.n_doc * self.shape.kv_bytes_per_token())
             self._cap = None
         else:
-            self._budget_bytes = int(self.budget * full)
-            self._cap = max(0, self._budget_bytes - persistent) // L  # per layer
+            self._budget_bytes = int(self.budget * self.n_doc * self.shape.kv_bytes_per_token())
+            # the expansion room, split over the layers: those in [zoom_from, zoom_to) get weight 1, the others
+            # zoom_outer (0: they keep coarse entries only; 1, with the default band of every layer: equal shares)
+            z0 = min(max(0, int(self.params.get("zoom_from", 0))), L - 1)
+            z1 = int(self.params.get("zoom_to", 0)) or L
+            z1 = min(max(z0 + 1, z1), L)
+            outer = min(max(0.0, float(self.params.get("zoom_outer", 0.0))), 1.0)
+            room = max(0, self._budget_bytes - doc_persistent)
+            unit = room / ((z1 - z0) + outer * (L - (z1 - z0)))
+            self._cap = int(unit)  # per layer of the band
+            self._cap_outer = int(unit * outer)  # per layer outside it
+            self._zoom_from, self._zoom_to = z0, z1
         self._last_resident = persistent
 
     # -- attention ------------------------------------------------------------------------------------------
@@ -397,7 +425,7 @@ class SekvMemory(KVMemory):
         elif self.zoom == "all":
             expanded = torch.ones(H, S, dtype=torch.bool, device=query.device)
             keep = torch.ones(hkv, S, dtype=torch.bool, device=query.device)
-        elif self._cap == 0:  # the persistent part already fills the budget
+        elif self._cap == 0 or not (self._zoom_from <= layer < self._zoom_to or self._cap_outer > 0):  # the persistent part fills the budget / no zoom here
             expanded = torch.zeros(H, S, dtype=torch.bool, device=query.device)
             keep = torch.zeros(hkv, S, dtype=torch.bool, device=query.device)
         else:
@@ -410,7 +438,7 @@ class SekvMemory(KVMemory):
                 cand, prio = route(logits, self.logit_tau[layer], hkv)
             if self.route_hook is not None:  # diagnostics (benchmarks/route_diagnosis.py): replace the routing
                 cand, prio = self.route_hook(layer, cand, prio)
-            keep = select(prio, self.cost, self._cap)
+            keep = select(prio, self.cost, self._cap if self._zoom_from <= layer < self._zoom_to else self._cap_outer)
             expanded = keep.unsqueeze(1).expand(hkv, H // hkv, S).reshape(H, S)
             if self.head_masks:  # SPEC §2.6: each head sees the tokens only of spans it wanted itself
                 expanded = expanded & cand
@@ -613,9 +641,15 @@ class SekvMethod(CacheMethod):
         # "per_layer": each layer keeps spans in the order of its own gates (SPEC §2.4)
         "routing": "scout",
         "profile_weight": 0.75,  # scout: rank = question's span sum - profile_weight x the document end's (sekv/scout.py)
+        "profile_clip": 0.0,  # scout: > 0 subtracts only the profile's part above this many std (its outliers)
+        # the layers [zoom_from, zoom_to) share the expansion room (zoom_to 0: through the last layer); a layer outside
+        # that band gets zoom_outer times the share of one inside (0: coarse entries only).  Defaults: every layer, equally
+        "zoom_from": 0,
+        "zoom_to": 0,
+        "zoom_outer": 0.0,
         "router_sha256": "",  # set by compress(): the trained router file the pack was built with
     }
-    ask_time_params = ("budget", "router", "routing", "profile_weight")
+    ask_time_params = ("budget", "router", "routing", "profile_weight", "profile_clip", "zoom_from", "zoom_to", "zoom_outer")
 
     def obs_window(self, params: dict[str, Any]) -> int:
         return scout.PROFILE_QUERIES

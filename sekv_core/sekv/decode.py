@@ -94,8 +94,10 @@ class BatchedDecoder:
         m = self.mem
         if m.budget is None or m.zoom == "all":
             return None
-        full = (m.n_doc + n_appended) * m.shape.kv_bytes_per_token()
-        persistent = (m.n_base + n_appended) * self.hkv * m.entry_bytes * self.L + m.router_bytes + self.table_bytes
+        # b x the document's full KV against the document's persistent part; the appended tail (question and
+        # generated tokens) is resident on top (the reference step's rule, SekvMemory._begin_forward)
+        full = m.n_doc * m.shape.kv_bytes_per_token()
+        persistent = m.n_base * self.hkv * m.entry_bytes * self.L + m.router_bytes + self.table_bytes
         persistent += self.L * self.hkv * (m.n_spans + 8)  # the fixed-set tables (fx_keep, fx_n)
         per_slot = m.entry_bytes + _SLOT_META
         if self.annex:  # the fixed set's masks (_mask_bytes): the resident columns, plus a column per group's row
