@@ -11,6 +11,8 @@ span there): no loop over spans.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 WEIGHTINGS = ("surprisal", "mean")
@@ -39,7 +41,9 @@ def weighted_means(x: torch.Tensor, pos: torch.Tensor, sid: torch.Tensor, weight
         t = pos.numel()
         crow = torch.zeros(n_spans + 1, dtype=torch.long, device=dev)
         crow[1:] = torch.cumsum(torch.bincount(sid, minlength=n_spans), 0)
-        a = torch.sparse_csr_tensor(crow, torch.arange(t, device=dev), weights, size=(n_spans, t))
+        with warnings.catch_warnings():  # "sparse CSR support is in beta": a user-facing warning at every ingest
+            warnings.simplefilter("ignore", UserWarning)
+            a = torch.sparse_csr_tensor(crow, torch.arange(t, device=dev), weights, size=(n_spans, t))
         xs = x.transpose(0, 1)[pos].float().reshape(t, h * d)  # [T, H*d]
         return (a @ xs).view(n_spans, h, d).transpose(0, 1).contiguous()
     xs = x[:, pos].float() * weights.view(1, -1, 1)
