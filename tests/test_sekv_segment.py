@@ -93,6 +93,6 @@ def test_span_token_index():
 def test_auto_lengths(budget):
     mn, mx, w = auto_lengths(8000, budget)
     assert mn >= 4 and mx == 2 * mn
-    assert w == min(512, int(0.25 * budget * 8000))
+    assert w == min(512, int(0.1 * budget * 8000))
     # two persistent entries per span: at most a quarter of the budget
     assert 2 / mn <= 0.25 * budget + 1e-9

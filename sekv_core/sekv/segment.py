@@ -34,8 +34,9 @@ import torch
 
 #: share of the budget b*N the persistent anchors + coarse entries may take (see docs/sekv.md)
 SPAN_SHARE = 0.25
-#: share of the budget b*N the local window takes
-WINDOW_SHARE = 0.25
+#: share of the budget b*N the local window takes (0.25 until 2026-12-01: the room it took from the zoom
+#: cost answers on short documents and pack size, and a tenth kept the needles; docs/sekv.md §1)
+WINDOW_SHARE = 0.10
 WINDOW_MAX = 512
 
 
@@ -72,7 +73,7 @@ def span_token_index(start: torch.Tensor, end: torch.Tensor) -> tuple[torch.Tens
 def auto_lengths(n_tokens: int, budget: float) -> tuple[int, int, int]:
     """(min_span, max_span, window) for a document of n_tokens at a budget fraction b.
 
-    * window = min(512, floor(0.25 * b * N)): a quarter of the budget;
+    * window = min(512, floor(0.1 * b * N)): a tenth of the budget;
     * min_span = max(4, ceil(2 / (0.25 * b))): each span costs two persistent
       entries (its anchor and its coarse mean), so spans of at least 2/(0.25 b)
       tokens keep anchors + coarse entries within 25% of b*N (less in practice:
