@@ -83,6 +83,14 @@ def _config(store: TensorStore) -> dict[str, int]:
     return dict(zip(("n_tokens", "n_layers", "n_kv_heads", "head_dim", "min_span", "max_span", "window", "n_sink"), c))
 
 
+def zoom_band(params: dict[str, Any], n_layers: int) -> tuple[int, int, float]:
+    """(zoom_from, zoom_to, zoom_outer) clamped: the layers [zoom_from, zoom_to) share the expansion room (zoom_to 0:
+    through the last layer), a layer outside gets zoom_outer (0..1) times the share of one inside."""
+    z0 = min(max(0, int(params.get("zoom_from", 0))), n_layers - 1)
+    z1 = min(max(z0 + 1, int(params.get("zoom_to", 0)) or n_layers), n_layers)
+    return z0, z1, min(max(0.0, float(params.get("zoom_outer", 0.0))), 1.0)
+
+
 class SekvMemory(KVMemory):
     """Runtime SeKV memory of one pack.
 
@@ -136,9 +144,8 @@ class SekvMemory(KVMemory):
         # accelerators take the batched, sync-free step (sekv/decode.py); the CPU keeps the reference step.  The
         # batched step sizes one slot buffer for every layer, so a zoom limited to some layers (zoom_from /
         # zoom_to) takes the reference step there too
-        L_all = shape.n_layers
-        z0, z1 = int(params.get("zoom_from", 0)), int(params.get("zoom_to", 0)) or L_all
-        self.batched = self.cuda and ((z0 <= 0 and z1 >= L_all) or float(params.get("zoom_outer", 0.0)) >= 1.0)
+        z0, z1, outer = zoom_band(params, shape.n_layers)
+        self.batched = self.cuda and ((z0, z1) == (0, shape.n_layers) or outer >= 1.0)
         self._dec = None
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
@@ -363,10 +370,7 @@ class SekvMemory(KVMemory):
             self._budget_bytes = int(self.budget * self.n_doc * self.shape.kv_bytes_per_token())
             # the expansion room, split over the layers: those in [zoom_from, zoom_to) get weight 1, the others
             # zoom_outer (0: they keep coarse entries only; 1, with the default band of every layer: equal shares)
-            z0 = min(max(0, int(self.params.get("zoom_from", 0))), L - 1)
-            z1 = int(self.params.get("zoom_to", 0)) or L
-            z1 = min(max(z0 + 1, z1), L)
-            outer = min(max(0.0, float(self.params.get("zoom_outer", 0.0))), 1.0)
+            z0, z1, outer = zoom_band(self.params, L)
             room = max(0, self._budget_bytes - doc_persistent)
             unit = room / ((z1 - z0) + outer * (L - (z1 - z0)))
             self._cap = int(unit)  # per layer of the band
