@@ -69,6 +69,7 @@ from sekv_core.errors import SekvError  # noqa: E402
 from sekv_core.generate import generate  # noqa: E402
 from sekv_core.methods.base import GrowingKV, PrefillResult  # noqa: E402
 from sekv_core.methods.full import FullMemory  # noqa: E402
+from sekv_core.methods import scores  # noqa: E402
 from sekv_core.prefill import prefill  # noqa: E402
 from sekv_core.sekv import rope  # noqa: E402
 
@@ -131,7 +132,7 @@ def build_case(lm, n_tokens: int) -> dict:
     ids = prompt.encode(lm.tokenizer, prompt.document_prefix(lm.tokenizer, text))[:n_tokens]
     dw = methods.get("depthweave")
     t = time.perf_counter()
-    pre = prefill(lm.model, torch.tensor(ids), with_surprisal=True, capture=tuple(x for x in dw.needs_scores if x != "token_text"))
+    pre = prefill(lm.model, torch.tensor(ids), with_surprisal=True, capture=scores.capture_kinds(dw.needs_scores))
     prefill_s = time.perf_counter() - t
     pre.scores["token_text"] = lm.tokenizer.batch_decode([[i] for i in ids])
     qs = {}

@@ -29,6 +29,7 @@ from sekv_core.bench import tasks
 from sekv_core.documents import load_document
 from sekv_core.generate import generate
 from sekv_core.methods.base import DictStore, ModelShape
+from sekv_core.methods import scores
 from sekv_core.prefill import prefill
 
 from route_diagnosis import needle_tokens
@@ -61,7 +62,8 @@ def main() -> None:
         extra = {k: json.loads(v) if v[:1].isdigit() or v in ("true", "false") else v for k, v in (x.split("=", 1) for x in a.param)}
         params = sekv.resolve_params({"budget": a.budget, **extra})
         # as `sekv ingest` prefills (sekv_core/ingest.py): the document end's queries give the scout's profile
-        pre = prefill(model, ids, with_surprisal=True, capture=tuple(x for x in sekv.needs_scores if x != "token_text"), obs_window=sekv.obs_window(params))
+        pre = prefill(model, ids, with_surprisal=True, capture=scores.capture_kinds(sekv.needs_scores), obs_window=sekv.obs_window(params))
+        pre.scores.update(scores.text_scores(tok, text, ids.tolist(), sekv.needs_scores))
         tensors = {k: v.cpu() for k, v in sekv.compress(pre, params).items()}
         pack_ratio = sum(v.numel() * v.element_size() for v in tensors.values()) / (ids.numel() * shape.kv_bytes_per_token())
         mem = sekv.open(DictStore(tensors), params, shape, "cpu")
@@ -70,29 +72,32 @@ def main() -> None:
         print(f"{doc}: {ids.numel()} tokens, {mem.n_spans} spans, prefill+compress {time.perf_counter() - t0:.0f} s, pack tensors / raw KV {pack_ratio:.4f}", flush=True)
         for n, q, answers in qs:
             hit = next((x for x in answers if re.search(re.escape(x), text, re.IGNORECASE)), None)
-            spans = []
+            spans, blocks = [], []
             if hit is not None:
                 c0 = re.search(re.escape(hit), text, re.IGNORECASE).start()
                 n0, n1 = needle_tokens(tok, text, text[c0 : c0 + len(hit)])
                 spans = ((mem.span_start < n1) & (mem.span_end > n0)).nonzero().flatten().tolist()
+                # the zoom blocks holding the answer (= its spans when zoom_unit is 0)
+                blocks = ((mem.block_start < n1) & (mem.block_start + mem.block_len > n0)).nonzero().flatten().tolist()
             qids = prompt.encode(tok, prompt.question_suffix(tok, q))
             ranks, kept = {}, {}
             orig = mem.prepare_question
 
             def ask(memory, force: bool = False) -> str:
-                def prep(forward):
-                    orig(forward)
-                    ranks["rank"] = [int((memory.shared_prio > memory.shared_prio[i]).sum()) for i in spans]
-                    if force and spans:
-                        memory.shared_prio[spans] = 1e4
+                def prep(forward, question=None):
+                    orig(forward, question)
+                    ranks["rank"] = [int((memory.shared_prio > memory.shared_prio[i]).sum()) for i in blocks]
+                    if force and blocks:
+                        memory.shared_prio[blocks] = 1e4
 
                 if memory is mem:
                     memory.prepare_question = prep
-                out, _ = generate(model, memory, qids, max_new_tokens=32, stop_ids=stop)
+                out, _ = generate(model, memory, qids, max_new_tokens=32, stop_ids=stop, question=q)
                 if memory is mem:
                     held = [h for h in memory._held if h is not None]
-                    kept["per_group"] = round(sum(int(h[0].sum()) for h in held) / max(1, len(held) * shape.n_kv_heads), 2)
-                    kept["answer_kept"] = bool(spans) and all(bool(h[0][:, spans].all()) for h in held) if held else False
+                    kept["per_group"] = round(sum(int(h[0].sum()) for h in held) / max(1, len(held) * shape.n_kv_heads), 2)  # zoom blocks
+                    kept["tokens_per_group"] = round(sum(int((h[0].long() * memory.block_len).sum()) for h in held) / max(1, len(held) * shape.n_kv_heads), 1)
+                    kept["answer_kept"] = bool(blocks) and all(bool(h[0][:, blocks].all()) for h in held) if held else False
                     memory.prepare_question = orig
                 memory.truncate(base)
                 return tok.decode(out, skip_special_tokens=True).strip()
@@ -110,9 +115,9 @@ def main() -> None:
             def ok(s: str) -> bool:
                 return any(re.search(r"\b" + re.escape(x) + r"\b", s, re.IGNORECASE) for x in answers)
 
-            row = {"doc": doc, "q": n, "question": q, "expected": answers, "answer_spans": spans,
+            row = {"doc": doc, "q": n, "question": q, "expected": answers, "answer_spans": spans, "answer_blocks": blocks,
                    "answer_span_tokens": [int(mem.span_len[i]) for i in spans], "scout_rank": scout_rank,
-                   "spans_kept_per_group": scout_kept.get("per_group"), "answer_kept_every_layer": scout_kept.get("answer_kept"),
+                   "spans_kept_per_group": scout_kept.get("per_group"), "tokens_kept_per_group": scout_kept.get("tokens_per_group"), "answer_kept_every_layer": scout_kept.get("answer_kept"),
                    "answers": ans, "correct": {k: ok(v) for k, v in ans.items()}}
             rows.append(row)
             print(json.dumps(row, ensure_ascii=False), flush=True)

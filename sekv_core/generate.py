@@ -48,10 +48,12 @@ def generate(
     on_step: Callable[[KVMemory], None] | None = None,
     graphs: bool | None = None,
     compile_layers: bool = False,
+    question: str | None = None,
 ) -> tuple[list[int], DecodeStats]:
     """Greedy answer to question_ids from a memory.  graphs: run single-token steps through GraphedStep (one
     captured CUDA graph per step; on the CPU the same static path, eagerly) when the memory supports it;
-    None = on CUDA.  compile_layers: those steps' decoder layers run torch.compile'd (GraphedStep)."""
+    None = on CUDA.  compile_layers: those steps' decoder layers run torch.compile'd (GraphedStep).  question: the
+    question's text, for memories that rank what to read by it (sekv's lexical evidence)."""
     device = next(model.parameters()).device
     if graphs is None:
         graphs = device.type == "cuda"
@@ -69,7 +71,7 @@ def generate(
     t0 = time.perf_counter()
     t_first = None
     peak = 0
-    memory.prepare_question(lambda: runtime.forward_hidden(model, ids, memory.n_tokens(), memory))
+    memory.prepare_question(lambda: runtime.forward_hidden(model, ids, memory.n_tokens(), memory), question)
     while True:
         if graphed is not None and ids.shape[1] == 1:
             hidden = graphed(ids)

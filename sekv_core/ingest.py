@@ -12,6 +12,7 @@ import torch
 from . import __version__, methods, models, prompt
 from .documents import Document, load_document
 from .errors import DocumentError
+from .methods import scores
 from .methods.base import ModelShape
 from .pack import FORMAT_VERSION, write_pack
 from .prefill import DEFAULT_CHUNK, prefill
@@ -91,9 +92,8 @@ def ingest(
         cache_method.reserve_host(len(ids), model_shape(lm), params)
     needs = cache_method.needs_scores
     result = prefill(lm.model, torch.tensor(ids), with_surprisal=cache_method.needs_surprisal, chunk=chunk, progress=progress,
-                     capture=tuple(x for x in needs if x != "token_text"), obs_window=cache_method.obs_window(params))
-    if "token_text" in needs:
-        result.scores["token_text"] = lm.tokenizer.batch_decode([[t] for t in ids])
+                     capture=scores.capture_kinds(needs), obs_window=cache_method.obs_window(params))
+    result.scores.update(scores.text_scores(lm.tokenizer, prompt.document_prefix(lm.tokenizer, doc.text), ids, needs))
     t2 = time.perf_counter()
     tensors = cache_method.compress(result, params)
     tensors = {k: v.cpu() for k, v in tensors.items()}

@@ -77,7 +77,7 @@ class Session:
         try:
             ids, stats = generate(
                 self.lm.model, self.memory, q_ids, max_new_tokens=max_new_tokens, stop_ids=self.stop_ids, on_token=stream, on_step=on_step,
-                compile_layers=self.compile_layers and next(self.lm.model.parameters()).device.type == "cuda",
+                compile_layers=self.compile_layers and next(self.lm.model.parameters()).device.type == "cuda", question=question,
             )
         finally:
             self.memory.truncate(self.base_tokens)

@@ -33,6 +33,7 @@ import torch
 from .. import __version__, methods, models, prompt
 from ..errors import SekvError
 from ..generate import generate
+from ..methods import scores as prefill_scores
 from ..methods.base import DictStore, ModelShape
 from ..prefill import prefill
 from . import scoring, tasks, variants
@@ -267,12 +268,13 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
         if not pend:
             continue
         reporter.context(ctx, len(pend))
-        ids = torch.tensor(prompt.encode(tok, prompt.document_prefix(tok, ctx.document)))
+        doc_text = prompt.document_prefix(tok, ctx.document)
+        ids = torch.tensor(prompt.encode(tok, doc_text))
         pend_methods = {(m, b) for _, m, b in pend}
         need_s = any(methods.get(variants.parse(m).method).needs_surprisal for m, _ in pend_methods)
         reporter.stage(f"prefill {ids.numel()} tokens")
         t0 = time.perf_counter()
-        pre, prefill_with = _prefill_for(model, tok, ids, need_s, pend_methods)
+        pre, prefill_with = _prefill_for(model, tok, ids, doc_text, need_s, pend_methods)
         prefill_s = time.perf_counter() - t0
         outcome.prefills += 1
         stamp = _fingerprint(pre)
@@ -325,7 +327,7 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
                     reporter.stage(f"{label}: answer")
                     memory.truncate(base)
                     load = _load_avg()
-                    ans_ids, stats = generate(model, memory, q_ids[ci][pi], max_new_tokens=_max_new(cfg, probe), stop_ids=stop_ids)
+                    ans_ids, stats = generate(model, memory, q_ids[ci][pi], max_new_tokens=_max_new(cfg, probe), stop_ids=stop_ids, question=probe.question)
                     extra = memory.step_stats().extra
                     memory.truncate(base)
                 except Exception as e:
@@ -386,7 +388,7 @@ def _obs_window(method, params: dict) -> int:
     return method.obs_window(params)  # as ingest does
 
 
-def _prefill_for(model, tok, ids: torch.Tensor, with_surprisal: bool, pairs: set[tuple[str, float | None]]):
+def _prefill_for(model, tok, ids: torch.Tensor, text: str, with_surprisal: bool, pairs: set[tuple[str, float | None]]):
     """One prefill serving every pending method: surprisal and the union of the prefill statistics they need.
 
     Returns (prefill result, what it computed besides K/V: its time, prefill_s, includes them).
@@ -403,11 +405,10 @@ def _prefill_for(model, tok, ids: torch.Tensor, with_surprisal: bool, pairs: set
         needs.update(n)
         if "obs_queries" in n:
             window = max(window, _obs_window(method, method.resolve_params(variant.params(b))))
-    capture = tuple(sorted(x for x in needs if x != "token_text"))
+    capture = prefill_scores.capture_kinds(needs)
     kwargs = {"capture": capture, "obs_window": window or 64} if capture else {}
     pre = prefill(model, ids, with_surprisal=with_surprisal, **kwargs)
-    if "token_text" in needs:
-        pre.scores["token_text"] = tok.batch_decode([[t] for t in ids.tolist()])
+    pre.scores.update(prefill_scores.text_scores(tok, text, ids.tolist(), needs))
     return pre, (["surprisal"] if with_surprisal else []) + sorted(needs)
 
 

@@ -132,9 +132,10 @@ class KVMemory(ABC):
     def step_stats(self) -> StepStats:
         return StepStats(resident_bytes=self.resident_bytes())
 
-    def prepare_question(self, forward: Callable[[], Any]) -> None:
+    def prepare_question(self, forward: Callable[[], Any], question: str | None = None) -> None:
         """Called once per answer, before its first forward; forward() runs the question's tokens through the
-        model over this memory (a memory may look at them first, then must drop them).  Default: nothing."""
+        model over this memory (a memory may look at them first, then must drop them); question: its text, when
+        the caller has it.  Default: nothing."""
 
     def begin_step(self, n_new: int) -> None:
         """Called before each forward of n_new tokens."""

@@ -20,6 +20,9 @@ the statistics land in ``PrefillResult.scores``:
 ``"token_text"``
     the decoded text of every document token (filled by ingest, which has the
     tokenizer) - SentenceKV's sentence splitter.
+``"lex_terms"``
+    ``[N]`` int32, the word term of every document token (sekv/lexical.py; filled
+    by ingest too) - the lexical evidence of sekv's scout.
 
 Eviction plumbing
 -----------------
@@ -42,9 +45,31 @@ import torch.nn.functional as F
 from .base import CacheMethod, GrowingKV, KVMemory, ModelShape, PrefillResult, StepStats, TensorStore, causal_attention
 from .full import FullMemory
 
-SCORE_KINDS = ("obs_queries", "attn_mass", "token_text")
+SCORE_KINDS = ("obs_queries", "attn_mass", "token_text", "lex_terms")
+#: the statistics read off the text, not captured by the prefill: :func:`text_scores` fills them
+TEXT_SCORES = ("token_text", "lex_terms")
 #: float32 elements of one block of attention probabilities while accumulating attn_mass (64 MiB)
 _MASS_BLOCK = 1 << 24
+
+
+def text_scores(tokenizer, text: str, ids: list[int], needs) -> dict[str, Any]:
+    """The TEXT_SCORES named in ``needs`` for the document prefix ``text`` tokenized as ``ids``."""
+    out: dict[str, Any] = {}
+    if "token_text" in needs:
+        out["token_text"] = tokenizer.batch_decode([[t] for t in ids])
+    if "lex_terms" in needs:
+        from ..sekv import lexical
+
+        terms = lexical.document_terms(tokenizer, text)
+        if terms.numel() != len(ids):
+            raise ValueError(f"lex_terms: {terms.numel()} token terms for {len(ids)} tokens (another tokenization of the text?)")
+        out["lex_terms"] = terms
+    return out
+
+
+def capture_kinds(needs) -> tuple[str, ...]:
+    """What the prefill itself records of ``needs`` (all but the text scores)."""
+    return tuple(sorted(x for x in needs if x not in TEXT_SCORES))
 
 
 class ScoreMemory(FullMemory):

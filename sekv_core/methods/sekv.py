@@ -38,10 +38,10 @@ import torch
 from ..sekv import codec
 from ..sekv import blocks as fb
 from ..sekv import factorize as fz
-from ..sekv import rope, router, scout
+from ..sekv import lexical, rope, router, scout
 from ..sekv.decode import BatchedDecoder
-from ..sekv.attention import build_mask, mixed_attention, place, route, select
-from ..sekv.segment import Segmentation, auto_lengths, fixed_segment, segment
+from ..sekv.attention import build_mask, coarse_scores, mixed_attention, place, route, select
+from ..sekv.segment import Segmentation, auto_lengths, fixed_segment, segment, zoom_blocks
 from ..sekv.summarize import span_weights, weighted_means
 from ..errors import PackError, SekvError
 from .base import CacheMethod, GrowingKV, KVMemory, ModelShape, PrefillResult, StepStats, TensorStore
@@ -61,6 +61,8 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "global-tau": {"tau_mode": "global"},  # one threshold for every (layer, head)
     "untrained-router": {"router": "untrained"},  # the PCA-initialised router even where a trained one exists
     "per-layer-routing": {"routing": "per_layer"},  # each layer ranks spans by its own gates (no scout pass)
+    "no-lexical": {"lexical_weight": 0.0},  # the scout ranks by attention alone (docs/sekv.md §7f)
+    "whole-spans": {"zoom_unit": 0},  # the budget keeps whole spans, the paper's unit, not 16-token blocks
     # the at-rest storage before 3-bit values and log8 row scales (the default until 2026-12-01, docs/sekv.md §3)
     "4bit-factors": {"value_bits": 4, "scale_bits": 16},
     "8bit-factors": {"factor_bits": 8},  # factors stored as int8 in the pack (before 4-bit became the default)
@@ -132,6 +134,20 @@ class SekvMemory(KVMemory):
         self.inv_norm = (1.0 / (norms.clamp_min(1e-6) * math.sqrt(rt.d_r))).to(device)  # [L, Hw, S]
         self.logit_tau = rt.logit_tau().to(device)  # [L, H]
         self.log_n = self.span_len.float().log().to(device)
+        # zoom blocks (sekv/segment.py zoom_blocks): the unit the budget cap keeps; zoom_unit 0 = whole spans (SPEC).
+        # A block is rebuilt from its span's factors (its rows of U*sigma, the span's Vt); a span's coarse entry then
+        # stands for its tokens not expanded (attention.coarse_scores)
+        # blocks are the scout ranking's unit; the per-layer router gates whole spans
+        self.zoom_unit = max(0, int(params.get("zoom_unit", 0))) if params.get("routing", "scout") == "scout" else 0
+        bs, b0, b1 = zoom_blocks(self.span_start, self.span_end, self.zoom_unit)
+        self.block_span, self.block_start, self.block_len = bs.long(), b0.long(), (b1 - b0).long()
+        self.block_off = self.block_start - self.span_start[self.block_span]
+        self.n_blocks = int(self.block_span.numel())
+        self.whole_spans = self.n_blocks == S and bool((self.block_len == self.span_len).all())
+        self.block_span_dev = self.block_span.to(device)
+        self.block_len_dev = self.block_len.to(device)
+        self.block_off_dev = self.block_off.to(device)
+        self.block_start_dev = self.block_start.to(device)
 
         # CPU side: packed factors (pack tensors, never moved whole); K and V stacked so one gather and one
         # batched product serve both (V blocks are "heads" Hkv..2Hkv-1)
@@ -157,6 +173,7 @@ class SekvMemory(KVMemory):
         isz = torch.empty(0, dtype=shape.dtype).element_size()
         self.entry_bytes = 2 * d * isz  # K+V of one token of one KV head
         self.cost = (self.span_len * self.entry_bytes).to(device)  # bytes to reconstruct span i for one KV group
+        self.block_cost = (self.block_len * self.entry_bytes).to(device)  # ... zoom block b
         # per-document router state counts as resident KV; a trained W is a model parameter (the same for every
         # document, like the model's own projections), so only the untrained, per-document PCA W is counted
         per_doc = (self.inv_norm, self.logit_tau, self.log_n) + ((self.w,) if rt.source == "pack" else ())
@@ -174,7 +191,7 @@ class SekvMemory(KVMemory):
             raise SekvError(f"sekv: routing must be one of {', '.join(ROUTINGS)}, not {self.routing!r}")
         # scout routing (sekv/scout.py): the question's span ranking, one value per span, shared by every layer;
         # a fixed device buffer (the batched step's CUDA graphs read it), filled by prepare_question()
-        self.shared_prio = torch.zeros(S, device=device) if self.routing == "scout" and self.zoom == "router" else None
+        self.shared_prio = torch.zeros(self.n_blocks, device=device) if self.routing == "scout" and self.zoom == "router" else None
         self._scouting = False
         self._scout_sum = None
         self.prio_version = 0  # bumped with every new ranking: the batched step's fixed sets are keyed on it
@@ -183,9 +200,36 @@ class SekvMemory(KVMemory):
         # caller that bypasses generate()) routes per layer on the CPU step
         self._scout_pending = self._scout_ready = False
         # the document end's span profile (sekv/scout.py), subtracted from the question's; absent in older packs
-        self.scout_profile = store.get("sekv.scout.profile").float().to(device) if "sekv.scout.profile" in names else None
+        self.scout_profile = self._profile(store, names)
+        # the document's word terms (sekv/lexical.py), indexed by zoom block; absent in older packs
+        self.lexicon = lexical.Lexicon(store.get("sekv.lex.terms"), self.block_start, self.block_len) if "sekv.lex.terms" in names and self.n_blocks else None
         self._reset_ask()
         self._last_resident = self.resident_bytes()
+
+    def span_level(self, x: torch.Tensor) -> torch.Tensor:
+        """[R, B] bool over zoom blocks -> [R, S] bool over spans: a span is set when any of its blocks is."""
+        if self.whole_spans:
+            return x
+        bs = self.block_span_dev if x.device == self.block_span_dev.device else self.block_span.to(x.device)
+        return torch.zeros(x.shape[0], self.n_spans, device=x.device).index_add_(1, bs, x.float()) > 0
+
+    def coarse_mask(self, expanded: torch.Tensor) -> torch.Tensor:
+        """The coarse entries' additive scores [H, S] for a head x block expansion [H, B]: + log of the tokens of the
+        span not expanded, -inf where all of them are (SPEC §2.5 with whole spans: + log n_i or hidden)."""
+        if self.whole_spans:
+            return torch.where(expanded, float("-inf"), self.log_n.float().view(1, -1))
+        return coarse_scores(expanded, self.block_span_dev, self.block_len_dev, self.span_len_dev)
+
+    def _profile(self, store: TensorStore, names: set[str]) -> torch.Tensor | None:
+        """The document profile per zoom block: the pack's block profile when it was made for this zoom_unit, else
+        the span profile given to each of a span's blocks; None in packs from before profiles."""
+        if "sekv.scout.profile" not in names:
+            return None
+        if "sekv.scout.profile_blocks" in names and int(store.get("sekv.scout.profile_unit")[0]) == self.zoom_unit:
+            prof = store.get("sekv.scout.profile_blocks").float()
+            if prof.numel() == self.n_blocks:
+                return prof.to(self.device)
+        return store.get("sekv.scout.profile").float()[self.block_span].to(self.device)
 
     @staticmethod
     def _factors(store: TensorStore, names: set[str], prefix: str, device=None) -> fz.Factors:
@@ -258,14 +302,16 @@ class SekvMemory(KVMemory):
         if getattr(self, "_dec", None) is not None:
             self._dec.reset_stats()
 
-    def prepare_question(self, forward) -> None:
+    def prepare_question(self, forward, question: str | None = None) -> None:
         """Scout pass (routing="scout"): run the question once with the per-layer router, summing each layer's
-        z-scored span masses; the answer's forwards then rank spans by the sum.  forward() runs the question's
-        tokens through the model over this memory; they are dropped again afterwards."""
+        z-scored masses of the zoom blocks; the answer's forwards then rank blocks by the sum (minus the document
+        profile), plus ``lexical_weight`` x the z-scored lexical score of the question's text (sekv/lexical.py)
+        where the pack has the document's terms.  forward() runs the question's tokens through the model over
+        this memory; they are dropped again afterwards."""
         if self.shared_prio is None or self.n_spans == 0:
             return
         base = self.n_tokens()
-        self._scouting, self._scout_sum = True, torch.zeros(self.n_spans, dtype=torch.float32, device=self.device)
+        self._scouting, self._scout_sum = True, torch.zeros(self.n_blocks, dtype=torch.float32, device=self.device)
         try:
             forward()
             w = float(self.params.get("profile_weight", 0.75))
@@ -274,6 +320,11 @@ class SekvMemory(KVMemory):
             if prof is not None and clip > 0:  # only the spans that stand out in the profile (mean 0: a sum of z-scores)
                 prof = (prof - clip * prof.std()).clamp_min(0)
             rank = self._scout_sum if prof is None else self._scout_sum - w * prof
+            lw = float(self.params.get("lexical_weight", 0.0))
+            if lw > 0 and question and self.lexicon is not None:
+                lex = self.lexicon.scores(question).to(self.device)
+                if float(lex.max()) > 0:  # no question word in the document: attention alone
+                    rank = scout.zscore(rank) + lw * scout.zscore(lex)
             self.shared_prio.copy_(rank)
             self.prio_version += 1
             self._scout_pending = True
@@ -286,61 +337,88 @@ class SekvMemory(KVMemory):
         return self.shared_prio is not None and self._scout_ready and not self._scouting
 
     def _scout_layer(self, layer: int, query: torch.Tensor, scaling: float) -> None:
-        """Add this layer's z-scored span masses (sekv/scout.py) for the question's queries [1, H, T, d]."""
+        """Add this layer's z-scored masses of the zoom blocks (spans when zoom_unit is 0; sekv/scout.py) for the
+        question's queries [1, H, T, d]."""
         d, hkv = self.shape.head_dim, self.shape.n_kv_heads
         q = query[0].float().reshape(hkv, -1, d)  # [Hkv, G*T, d]: a group's heads and tokens
         k_full = torch.cat([self.kv.k[layer][0, :, : self.n_full], self.kv.k[layer][0, :, self.n_base : self.kv.len[layer]]], 1)
         other = torch.logsumexp(torch.bmm(q, k_full.float().transpose(1, 2)) * scaling, dim=-1)  # [Hkv, G*T]
         if self._dec is not None:  # the batched step's blocks: gathered on the device, no host work per chunk
             lse, grp, sid = self._scout_blocks(layer, q, scaling)
-            mass = scout.layer_mass(lse, grp, sid, other, self.n_spans)
+            mass = scout.layer_mass(lse, grp, sid, other, self.n_blocks)
             self._scout_sum += scout.zscore(mass)
             return
-        # spans in chunks of about the layer's zoom budget in reconstructed keys (at least one span)
-        per_span = hkv * int(self.span_len.max()) * d * 4
-        chunk = max(1, int((self._cap or per_span) // per_span))
+        # blocks in chunks of about the layer's zoom budget in reconstructed keys (at least one block)
+        per_block = hkv * int(self.block_len.max()) * d * 4
+        chunk = max(1, int((self._cap or per_block) // per_block))
         lse, grp, sid = [], [], []
-        for a in range(0, self.n_spans, chunk):
-            i = torch.arange(a, min(a + chunk, self.n_spans)).repeat(hkv)
-            g = torch.arange(hkv).repeat_interleave(i.numel() // hkv)
-            rows = self._span_rows(layer, g, i)
-            gd, idv = g.to(self.device), i.to(self.device)
-            lse.append(scout.span_logsumexp(q, rows, self.span_len_dev[idv], gd, scaling))
+        for a in range(0, self.n_blocks, chunk):
+            b = torch.arange(a, min(a + chunk, self.n_blocks)).repeat(hkv)
+            g = torch.arange(hkv).repeat_interleave(b.numel() // hkv)
+            rows = self._block_rows(layer, g, b)
+            gd, bd = g.to(self.device), b.to(self.device)
+            lse.append(scout.span_logsumexp(q, rows, self.block_len_dev[bd], gd, scaling))
             grp.append(gd)
-            sid.append(idv)
-        mass = scout.layer_mass(torch.cat(lse), torch.cat(grp), torch.cat(sid), other, self.n_spans)
+            sid.append(bd)
+        mass = scout.layer_mass(torch.cat(lse), torch.cat(grp), torch.cat(sid), other, self.n_blocks)
         self._scout_sum += scout.zscore(mass)
 
     def _scout_blocks(self, layer: int, q: torch.Tensor, scaling: float):
-        """The scout pass's span logsumexps from the batched step's factor blocks, in chunks of as many
-        (group, span) pairs as a step may fetch (the step's own transient workspace, in float32)."""
+        """The scout pass's logsumexps of the zoom blocks from the batched step's factor blocks (one per (group,
+        span)), in chunks of as many (group, span) pairs as a step may fetch (the step's own transient workspace,
+        in float32): -> (lse [E, M], group [E], block [E])."""
         dec, S = self._dec, self.n_spans
         b = dec.blocks[layer]
         n_pairs = self.shape.n_kv_heads * S
         chunk = max(dec.P, 64)
+        first, per_span = self._span_blocks()
         lse, grp, sid = [], [], []
         for a in range(0, n_pairs, chunk):
             pair = torch.arange(a, min(a + chunk, n_pairs), device=self.device)
             rows, _ = fb.fetch(b, pair, torch.ones_like(pair, dtype=torch.bool))
             us, vt = fb.unpack(b, rows, torch.float32)
             g, i = pair // S, pair % S
-            keys = self._rope_rows(torch.matmul(us[:, 0], vt[:, 0]), i)  # [P, n_max, d]; rows past n_i are masked
-            lse.append(scout.span_logsumexp(q, keys, self.span_len_dev[i], g, scaling))
-            grp.append(g)
-            sid.append(i)
+            keys = self._rope_rows(torch.matmul(us[:, 0], vt[:, 0]), self.span_start_dev[i])  # [P, n_max, d]; rows past n_i are masked
+            if self.whole_spans:
+                lse.append(scout.span_logsumexp(q, keys, self.span_len_dev[i], g, scaling))
+                grp.append(g)
+                sid.append(i)
+                continue
+            logits = torch.bmm(q[g], keys.transpose(1, 2)) * scaling  # [P, M, n_max]
+            j = torch.arange(keys.shape[1], device=self.device).view(1, 1, -1)
+            for k in range(per_span):  # the k-th block of each span (where it has one)
+                blk = (first[i] + k).clamp_max(self.n_blocks - 1)
+                has = self.block_span_dev[blk] == i
+                lo = self.block_off_dev[blk].view(-1, 1, 1)
+                inside = (j >= lo) & (j < lo + self.block_len_dev[blk].view(-1, 1, 1))
+                part = torch.logsumexp(logits.masked_fill(~inside, float("-inf")), dim=-1)  # [P, M]
+                lse.append(part[has])
+                grp.append(g[has])
+                sid.append(blk[has])
         return torch.cat(lse), torch.cat(grp), torch.cat(sid)
 
-    def _span_rows(self, layer: int, g: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
-        """Keys of (group g, span i) blocks rebuilt from the factors, post-RoPE: [E, n_max, d] float32."""
-        f, lay = self.factors[layer]
-        dev = fz.gather(f, lay, self.span_len, g, i, self.shape.head_dim).to(self.device)
-        return self._rope_rows(fz.expand(dev, self.shape.head_dim, torch.float32), i.to(self.device))
+    def _span_blocks(self) -> tuple[torch.Tensor, int]:
+        """(first zoom block of each span [S] on the device, the most blocks a span has)."""
+        counts = torch.bincount(self.block_span, minlength=self.n_spans)
+        first = torch.cumsum(counts, 0) - counts
+        return first.to(self.device), int(counts.max()) if counts.numel() else 0
 
-    def _rope_rows(self, rows: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
-        """Pre-RoPE packs: rotate reconstructed key rows [E, n_max, d] of spans [E] to their positions (in place)."""
+    def _fetch_blocks(self, layer: int, g: torch.Tensor, b: torch.Tensor, out: dict | None = None) -> fz.Fetch:
+        """The factor rows of (factor head g, zoom block b) pairs (host indices; g >= Hkv: value heads)."""
+        f, lay = self.factors[layer]
+        return fz.gather(f, lay, self.span_len, g, self.block_span[b], self.shape.head_dim, out=out, row0=self.block_off[b], rows=self.block_len[b])
+
+    def _block_rows(self, layer: int, g: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Keys of (group g, zoom block b) pairs rebuilt from the factors, post-RoPE: [E, n_max, d] float32."""
+        dev = self._fetch_blocks(layer, g, b).to(self.device)
+        return self._rope_rows(fz.expand(dev, self.shape.head_dim, torch.float32), self.block_start.to(self.device)[b.to(self.device)])
+
+    def _rope_rows(self, rows: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE packs: rotate reconstructed key rows [E, n_max, d] of blocks starting at token positions start [E]
+        to their positions (in place)."""
         if self.pre_rope and rows.numel():
             d = rows.shape[-1]
-            pos = self.span_start_dev[span].view(-1, 1) + torch.arange(rows.shape[1], device=self.device).view(1, -1)
+            pos = start.view(-1, 1) + torch.arange(rows.shape[1], device=self.device).view(1, -1)
             cos, sin = rope.cos_sin(pos.flatten(), self.inv_freq, self.rope_scaling, dtype=self.shape.dtype)
             rows[:] = rope.apply(rows.reshape(-1, d), cos, sin).view(rows.shape)
         return rows
@@ -418,32 +496,39 @@ class SekvMemory(KVMemory):
             return out
         keys, values = self.kv.append(layer, key, value)
         H, q = query.shape[1], query.shape[2]
-        hkv, S = self.shape.n_kv_heads, self.n_spans
+        hkv, B = self.shape.n_kv_heads, self.n_blocks
         n_tail = self.kv.len[layer] - self.n_base
-        if S == 0:
+        # keep [Hkv, B] / expanded [H, B] are over zoom blocks (= spans when zoom_unit is 0)
+        if B == 0:
             expanded = torch.zeros(H, 0, dtype=torch.bool, device=query.device)
             keep = torch.zeros(hkv, 0, dtype=torch.bool, device=query.device)
         elif self.zoom == "none":
-            expanded = torch.zeros(H, S, dtype=torch.bool, device=query.device)
-            keep = torch.zeros(hkv, S, dtype=torch.bool, device=query.device)
+            expanded = torch.zeros(H, B, dtype=torch.bool, device=query.device)
+            keep = torch.zeros(hkv, B, dtype=torch.bool, device=query.device)
         elif self.zoom == "all":
-            expanded = torch.ones(H, S, dtype=torch.bool, device=query.device)
-            keep = torch.ones(hkv, S, dtype=torch.bool, device=query.device)
+            expanded = torch.ones(H, B, dtype=torch.bool, device=query.device)
+            keep = torch.ones(hkv, B, dtype=torch.bool, device=query.device)
         elif self._cap == 0 or not (self._zoom_from <= layer < self._zoom_to or self._cap_outer > 0):  # the persistent part fills the budget / no zoom here
-            expanded = torch.zeros(H, S, dtype=torch.bool, device=query.device)
-            keep = torch.zeros(hkv, S, dtype=torch.bool, device=query.device)
+            expanded = torch.zeros(H, B, dtype=torch.bool, device=query.device)
+            keep = torch.zeros(hkv, B, dtype=torch.bool, device=query.device)
         else:
-            if self.scout_ranks():  # the question's ranking, every layer; no gates to compute
-                cand = torch.ones(H, S, dtype=torch.bool, device=query.device)
+            cap = self._cap if self._zoom_from <= layer < self._zoom_to else self._cap_outer
+            if self.scout_ranks():  # the question's ranking of zoom blocks, every layer; no gates to compute
+                cand = torch.ones(H, B, dtype=torch.bool, device=query.device)
                 prio = self.shared_prio.view(1, -1).expand(hkv, -1)
-            else:
+                if self.route_hook is not None:  # diagnostics (benchmarks/route_diagnosis.py): replace the routing
+                    cand, prio = self.route_hook(layer, cand, prio)
+                keep = select(prio, self.block_cost, cap)
+            else:  # the router gates whole spans (SPEC §2.2-2.4); a kept span is all of its blocks
                 kbar = self.kv.k[layer][0, :, self.n_full : self.n_base]
                 logits = router.gate_logits(query[0], self.w[layer], kbar, self.inv_norm[layer], self.log_n)
                 cand, prio = route(logits, self.logit_tau[layer], hkv)
-            if self.route_hook is not None:  # diagnostics (benchmarks/route_diagnosis.py): replace the routing
-                cand, prio = self.route_hook(layer, cand, prio)
-            keep = select(prio, self.cost, self._cap if self._zoom_from <= layer < self._zoom_to else self._cap_outer)
-            expanded = keep.unsqueeze(1).expand(hkv, H // hkv, S).reshape(H, S)
+                if self.route_hook is not None:
+                    cand, prio = self.route_hook(layer, cand, prio)
+                keep = select(prio, self.cost, cap)
+                if not self.whole_spans:
+                    cand, keep = cand[:, self.block_span_dev], keep[:, self.block_span_dev]
+            expanded = keep.unsqueeze(1).expand(hkv, H // hkv, B).reshape(H, B)
             if self.head_masks:  # SPEC §2.6: each head sees the tokens only of spans it wanted itself
                 expanded = expanded & cand
 
@@ -461,8 +546,9 @@ class SekvMemory(KVMemory):
             values = torch.cat([values, rv.unsqueeze(0)], 2)
         else:
             self._held[layer] = None
+        coarse = None if self.whole_spans else self.coarse_mask(expanded)
         mask = build_mask(
-            n_heads=H, n_q=q, n_full=self.n_full, log_n=self.log_n, expanded=expanded, n_tail=n_tail, slot_span=slot_span, dtype=query.dtype
+            n_heads=H, n_q=q, n_full=self.n_full, log_n=self.log_n, expanded=expanded, n_tail=n_tail, slot_span=slot_span, dtype=query.dtype, coarse=coarse
         )
         out = mixed_attention(query, keys, values, mask, scaling)
         self._account(layer, keep, expanded)
@@ -471,16 +557,15 @@ class SekvMemory(KVMemory):
         return out
 
     def _reconstruct(self, layer: int, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Fetch + reconstruct the kept (group, span) pairs -> rows K/V [Hkv, U, d], slot span ids [Hkv, U]."""
+        """Fetch + reconstruct the kept (group, block) pairs -> rows K/V [Hkv, U, d], slot block ids [Hkv, U]."""
         d, hkv = self.shape.head_dim, self.shape.n_kv_heads
-        g, i = torch.nonzero(keep.cpu(), as_tuple=True)  # sorted by group, then span
+        g, i = torch.nonzero(keep.cpu(), as_tuple=True)  # sorted by group, then block
         g2, i2 = torch.cat([g, g + hkv]), torch.cat([i, i])  # K blocks, then V blocks
-        f, lay = self.factors[layer]
         if self.cuda:
             slot = layer % 2
             if self.staging_done[slot] is not None:
                 self.staging_done[slot].synchronize()  # the staging buffers of this parity are free again
-            host = fz.gather(f, lay, self.span_len, g2, i2, d, out=self.staging[slot])
+            host = self._fetch_blocks(layer, g2, i2, out=self.staging[slot])
             with torch.cuda.stream(self.copy_stream):
                 dev = host.to(self.device, non_blocking=True)
                 ev = torch.cuda.Event()
@@ -492,13 +577,13 @@ class SekvMemory(KVMemory):
                 if t is not None:
                     t.record_stream(main)
         else:
-            dev = fz.gather(f, lay, self.span_len, g2, i2, d)
+            dev = self._fetch_blocks(layer, g2, i2)
         self._h2d_step += dev.nbytes()
         rows = fz.expand(dev, d, torch.float32)  # [2E, n_max, d]
         e = g.numel()
         idev = i.to(self.device)
-        self._rope_rows(rows[:e], idev)
-        out, blk, _ = place(rows.to(self.shape.dtype), g2.to(self.device), self.span_len_dev[i2.to(self.device)], 2 * hkv)
+        self._rope_rows(rows[:e], self.block_start.to(self.device)[idev])
+        out, blk, _ = place(rows.to(self.shape.dtype), g2.to(self.device), self.block_len_dev[i2.to(self.device)], 2 * hkv)
         slot_span = torch.where(blk[:hkv] >= 0, idev[blk[:hkv].clamp_min(0)], torch.full_like(blk[:hkv], -1))
         return out[:hkv], out[hkv:], slot_span
 
@@ -506,13 +591,14 @@ class SekvMemory(KVMemory):
         if keep.numel() == 0:
             return
         kb = keep.cpu()
-        self._expanded_bytes += int((kb.long() * self.span_len.view(1, -1)).sum()) * self.entry_bytes
+        self._expanded_bytes += int((kb.long() * self.block_len.view(1, -1)).sum()) * self.entry_bytes
         self._last_resident = self._persistent + self._expanded_bytes
+        kb, eb = self.span_level(kb), self.span_level(expanded.cpu())  # a span counts as zoomed when any of its blocks is
         spans = kb.any(0)
         self._step_spans |= spans
         self._ask_spans |= spans
-        self._span_counts += expanded.cpu().long().sum(0)
-        self._rate_sum[layer] += float(expanded.float().mean())
+        self._span_counts += eb.long().sum(0)
+        self._rate_sum[layer] += float(eb.float().mean())
         if layer == self.shape.n_layers - 1:
             self._h2d_total += self._h2d_step
 
@@ -606,7 +692,9 @@ class SekvMethod(CacheMethod):
     name = "sekv"
     summary = "SeKV: anchors + coarse span means on device, per-span SVD factors on CPU, zoom-in decoding"
     needs_surprisal = True
-    needs_scores = ("obs_queries",)  # the document end's queries: the scout's question-independent profile
+    # the document end's queries (the scout's question-independent profile) and the tokens' word terms (its lexical
+    # evidence, sekv/lexical.py)
+    needs_scores = ("obs_queries", "lex_terms")
     ablations = ABLATIONS
     default_params = {
         "budget": 0.10,  # resident KV budget, fraction of the full KV (also sizes window / spans at ingest)
@@ -651,9 +739,17 @@ class SekvMethod(CacheMethod):
         "zoom_from": 0,
         "zoom_to": 0,
         "zoom_outer": 0.0,
+        # the unit the budget keeps: spans cut into blocks of at most this many tokens, each rebuilt alone from its
+        # span's factors (0: whole spans, the paper's unit); docs/sekv.md §7f
+        "zoom_unit": 16,
+        # scout: rank = z(attention sum - profile) + lexical_weight x z(the question's lexical score), where the pack
+        # has the document's word terms and the question's text is known (sekv/lexical.py; 0: attention alone)
+        "lexical_weight": 2.0,
         "router_sha256": "",  # set by compress(): the trained router file the pack was built with
     }
-    ask_time_params = ("budget", "router", "routing", "profile_weight", "profile_clip", "zoom_from", "zoom_to", "zoom_outer")
+    ask_time_params = (
+        "budget", "router", "routing", "profile_weight", "profile_clip", "zoom_from", "zoom_to", "zoom_outer", "zoom_unit", "lexical_weight",
+    )
 
     def obs_window(self, params: dict[str, Any]) -> int:
         return scout.PROFILE_QUERIES
@@ -771,6 +867,13 @@ class SekvMethod(CacheMethod):
         taus = torch.full((L, H), router.TAU_DEFAULT if not params["tau"] else float(params["tau"]), dtype=torch.float32)
         out["sekv.router.tau"] = taus
         out["sekv.scout.profile"] = scout.document_profile(prefill, seg.span_start, seg.span_end)
+        if prefill.scores and prefill.scores.get("lex_terms") is not None:  # the scout's lexical evidence (4 bytes a token)
+            out["sekv.lex.terms"] = prefill.scores["lex_terms"].to(torch.int32).cpu()
+        unit = max(0, int(params.get("zoom_unit", 0)))
+        if unit > 0 and S:  # the profile of the zoom blocks the pack is made for (another unit at ask time: the span's)
+            _, b0, b1 = zoom_blocks(seg.span_start, seg.span_end, unit)
+            out["sekv.scout.profile_blocks"] = scout.document_profile(prefill, b0, b1)
+            out["sekv.scout.profile_unit"] = torch.tensor([unit], dtype=torch.long)
         trained = self._trained_router(prefill, params, shape)
         if trained is not None:
             out["sekv.router.ttau"] = trained.tau.float()

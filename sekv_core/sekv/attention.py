@@ -93,17 +93,22 @@ def build_mask(
     n_tail: int,
     slot_span: torch.Tensor | None,
     dtype,
+    coarse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Additive mask [1, H, q, F + S + A + U].
 
     expanded [H, S] bool: the head sees the span's tokens (coarse hidden), else the
     coarse entry with + log n_i.  slot_span [Hkv, U] (-1 = padding): which span each
     reconstructed slot belongs to.  The appended tail is causal among the q new tokens.
+    Zoom blocks (parts of spans): ``expanded`` [H, B] and ``slot_span`` index blocks, and
+    ``coarse`` [H, S] gives the coarse entries' scores (:func:`coarse_scores`).
     """
-    h, s = expanded.shape
+    h = expanded.shape[0]
     dev = expanded.device
     ninf = torch.tensor(NEG_INF, dtype=torch.float32, device=dev)
-    coarse = torch.where(expanded, ninf, log_n.float().view(1, s))  # [H, S]
+    if coarse is None:
+        coarse = torch.where(expanded, ninf, log_n.float().view(1, -1))  # [H, S]
+    s = coarse.shape[1]
     head = torch.cat([torch.zeros(h, n_full, device=dev), coarse], 1).unsqueeze(1).expand(h, n_q, n_full + s)
     t = torch.arange(n_tail, device=dev).view(1, -1)
     qi = torch.arange(n_q, device=dev).view(-1, 1)
@@ -115,6 +120,21 @@ def build_mask(
         sees = (sp >= 0) & expanded.gather(1, sp.clamp_min(0))
         parts.append(torch.where(sees, 0.0, ninf).unsqueeze(1).expand(h, n_q, sp.shape[1]))
     return torch.cat(parts, -1).to(dtype).unsqueeze(0)
+
+
+def coarse_scores(expanded: torch.Tensor, block_span: torch.Tensor, block_len: torch.Tensor, span_len: torch.Tensor) -> torch.Tensor:
+    """Additive scores of the coarse entries when zoom blocks (parts of spans) are expanded.
+
+    expanded [H, B] bool (blocks a head sees at full resolution), block_span / block_len [B], span_len [S] ->
+    [H, S]: + log(n_i - m_i) for the m_i tokens of span i the head sees expanded (the coarse entry stands for the
+    rest of the span), -inf once the whole span is.  With one block per span this is the SPEC's rule: + log n_i or
+    hidden.
+    """
+    h = expanded.shape[0]
+    m = torch.zeros(h, span_len.numel(), dtype=torch.float32, device=expanded.device)
+    m.index_add_(1, block_span, expanded.float() * block_len.float().view(1, -1))
+    rest = span_len.float().view(1, -1) - m
+    return torch.where(rest > 0.5, rest.clamp_min(1).log(), torch.tensor(NEG_INF, device=expanded.device))
 
 
 def mixed_attention(

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from . import blocks as fb
 from . import rope, router
-from .attention import build_mask, flat_attention, route, select_topk
+from .attention import build_mask, coarse_scores, flat_attention, route, select_topk
 
 _SLOT_META = 0  # bytes per slot beyond its K and V (slot -> pair is recomputed each step, nothing is stored)
 
@@ -58,6 +58,7 @@ class BatchedDecoder:
         self.table_bytes = sum(b.index_bytes() for b in self.blocks)
         self.uva = all(b.uva for b in self.blocks)
         self.min_len = int(mem.span_len.min()) if mem.n_spans else 1
+        self.min_block = int(mem.block_len.min()) if mem.n_blocks else 1  # fixed sets keep zoom blocks
         self.span_tokens = int(mem.span_len.sum())
         self.U = -1
         self.P = 0
@@ -98,7 +99,7 @@ class BatchedDecoder:
         # generated tokens) is resident on top (the reference step's rule, SekvMemory._begin_forward)
         full = m.n_doc * m.shape.kv_bytes_per_token()
         persistent = m.n_base * self.hkv * m.entry_bytes * self.L + m.router_bytes + self.table_bytes
-        persistent += self.L * self.hkv * (m.n_spans + 8)  # the fixed-set tables (fx_keep, fx_n)
+        persistent += self.L * self.hkv * (m.n_blocks + 8)  # the fixed-set tables (fx_keep, fx_n)
         per_slot = m.entry_bytes + _SLOT_META
         if self.annex:  # the fixed set's masks (_mask_bytes): the resident columns, plus a column per group's row
             persistent += self._mask_bytes(m.kv.k[-1].shape[-2], 0)
@@ -136,7 +137,7 @@ class BatchedDecoder:
         if not self.annex:
             self.rk = [torch.zeros(u, self.d, dtype=m.shape.dtype, device=dev) for _ in range(self.L)]
             self.rv = [torch.zeros_like(t) for t in self.rk]
-        self.fx_keep = [torch.zeros(self.hkv, m.n_spans, dtype=torch.bool, device=dev) for _ in range(self.L)]
+        self.fx_keep = [torch.zeros(self.hkv, m.n_blocks, dtype=torch.bool, device=dev) for _ in range(self.L)]
         self.fx_n = [torch.zeros(self.hkv, dtype=torch.long, device=dev) for _ in range(self.L)]
         self.fx_key = [None] * self.L
         self.fx_mask = [None] * self.L
@@ -168,7 +169,7 @@ class BatchedDecoder:
         """Device bytes beyond the resident KV + router: block tables, slot buffers (capacity), slot tables and
         the fixed set's masks (at the size they will have)."""
         m = self.mem
-        b = self.table_bytes + self.L * (max(0, self.U) * (m.entry_bytes + _SLOT_META) + self.hkv * (m.n_spans + 8))
+        b = self.table_bytes + self.L * (max(0, self.U) * (m.entry_bytes + _SLOT_META) + self.hkv * (m.n_blocks + 8))
         if self.annex and self.U > 0:
             b += self._mask_bytes(m.kv.k[-1].shape[-2], self.U // self.hkv)
         return b
@@ -261,14 +262,15 @@ class BatchedDecoder:
                 self.d_reuse[layer].add_(1)
                 return self._joint_attention(layer, query, scaling, lim, fresh=False)
             self._fold_reuse(layer)  # before its recorded stats are replaced
-            keep, words = self._fill_fixed(layer)
+            keep, words = self._fill_fixed(layer)  # over zoom blocks
             expanded = keep.repeat_interleave(h // hkv, 0)
-            self.fx_spans[layer].copy_(keep.any(0))
-            self.fx_counts[layer].copy_(expanded.sum(0))
-            self.fx_rate[layer].copy_(expanded.double().mean())
+            keep_s, exp_s = m.span_level(keep), m.span_level(expanded)
+            self.fx_spans[layer].copy_(keep_s.any(0))
+            self.fx_counts[layer].copy_(exp_s.sum(0))
+            self.fx_rate[layer].copy_(exp_s.double().mean())
             self.fx_key[layer] = fixed
             out = self._joint_attention(layer, query, scaling, lim, fresh=True, expanded=expanded)
-            self._count(layer, keep, expanded, words)
+            self._count(layer, keep_s, exp_s, words)
             return out
         # per-layer routing (the router's gates for this forward's queries)
         kbar = m.kv.k[layer][0, :, m.n_full : m.n_base]
@@ -328,19 +330,20 @@ class BatchedDecoder:
         return torch.cat([x1 * c - x2 * sn, x2 * c + x1 * sn], 1)
 
     def _fill_fixed(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fetch and rebuild a fixed set into the annex: each KV group keeps the top of the ranking (scout) or
-        every span (zoom all) that fits its U / Hkv rows, written group-major.  -> (keep [Hkv, S], words moved)."""
+        """Fetch and rebuild a fixed set into the annex: each KV group keeps the top of the ranking of zoom blocks
+        (scout) or every block (zoom all) that fits its U / Hkv rows, written group-major; a block's rows come from
+        its span's factor block.  -> (keep [Hkv, B], words moved)."""
         m = self.mem
-        hkv, s, d, dev = self.hkv, m.n_spans, self.d, m.device
+        hkv, s, nb, d, dev = self.hkv, m.n_spans, m.n_blocks, self.d, m.device
         ug = self.U // hkv
-        prio = torch.zeros(hkv, s, device=dev) if m.zoom == "all" else m.shared_prio.view(1, -1).expand(hkv, -1)
-        pg = min(s, ug // max(1, self.min_len) + 1)
-        top, idx = torch.topk(prio, pg, dim=1, sorted=True)  # [Hkv, pg], the same spans for every group
-        n = m.span_len_dev[idx]
+        prio = torch.zeros(hkv, nb, device=dev) if m.zoom == "all" else m.shared_prio.view(1, -1).expand(hkv, -1)
+        pg = min(nb, ug // max(1, self.min_block) + 1)
+        top, idx = torch.topk(prio, pg, dim=1, sorted=True)  # [Hkv, pg] blocks, the same for every group
+        n = m.block_len_dev[idx]
         ok = torch.cumprod((torch.cumsum(n, 1) <= ug).to(torch.int8), 1).bool()
         grp = torch.arange(hkv, device=dev).view(-1, 1)
         b = self.blocks[layer]
-        rows, words = fb.fetch(b, (grp * s + idx).flatten(), ok.flatten())
+        rows, words = fb.fetch(b, (grp * s + m.block_span_dev[idx]).flatten(), ok.flatten())
         us, vt = fb.unpack(b, rows, m.shape.dtype)
         rec = torch.matmul(us, vt)  # [Hkv * pg, 2, n_max, d]
         nm = b.n_max
@@ -350,12 +353,13 @@ class BatchedDecoder:
         p_of = torch.searchsorted(ends, t, right=True).clamp_max(pg - 1)  # row t of group g <- its pair p, row j
         j_of = t - (ends - n_ok).gather(1, p_of)
         slot_ok = (t < ends[:, -1:]).view(-1, 1)
-        src = torch.where(slot_ok.view(hkv, ug), (grp * pg + p_of) * nm + j_of, torch.zeros_like(t)).flatten()
-        krows = self._rope(rec[:, 0].reshape(-1, d).index_select(0, src), (m.span_start_dev[idx.gather(1, p_of)] + j_of).flatten())
+        blk = idx.gather(1, p_of)  # row t of group g <- block blk, its row j_of
+        src = torch.where(slot_ok.view(hkv, ug), (grp * pg + p_of) * nm + m.block_off_dev[blk] + j_of, torch.zeros_like(t)).flatten()
+        krows = self._rope(rec[:, 0].reshape(-1, d).index_select(0, src), (m.block_start_dev[blk] + j_of).flatten())
         ak, av = m.kv.annex_kv(layer)
         ak[0].copy_(krows.masked_fill(~slot_ok, 0).view(hkv, ug, d))
         av[0].copy_(rec[:, 1].reshape(-1, d).index_select(0, src).masked_fill(~slot_ok, 0).view(hkv, ug, d))
-        keep = torch.zeros(hkv, s, dtype=torch.bool, device=dev).scatter_(1, idx, ok)
+        keep = torch.zeros(hkv, nb, dtype=torch.bool, device=dev).scatter_(1, idx, ok)
         self.fx_keep[layer].copy_(keep)
         self.fx_n[layer].copy_(ends[:, -1])
         return keep, words
@@ -377,7 +381,7 @@ class BatchedDecoder:
             p = torch.arange(cap, device=dev)
             mk = torch.empty(h, cap + ug, device=dev)
             mk[:, :cap] = torch.where(p < lim, 0.0, float("-inf")).view(1, cap)
-            mk[:, m.n_full : m.n_base] = torch.where(expanded, float("-inf"), m.log_n.float().view(1, -1))
+            mk[:, m.n_full : m.n_base] = m.coarse_mask(expanded)
             rows = torch.arange(ug, device=dev).view(1, -1) < self.fx_n[layer].index_select(0, self.head_group).view(-1, 1)
             mk[:, cap:] = torch.where(rows, 0.0, float("-inf"))
             self.fx_mask[layer].copy_(mk.view(1, h, 1, -1))

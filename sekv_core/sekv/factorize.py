@@ -381,20 +381,37 @@ class Fetch:
         return Fetch(mv(self.us), mv(self.vt), mv(self.us_scale), mv(self.vt_scale), mv(self.n), mv(self.r), self.n_max, self.r_max)
 
 
-def gather(f: Factors, lay: Layout, span_len: torch.Tensor, g: torch.Tensor, i: torch.Tensor, d: int, out: dict | None = None) -> Fetch:
+def gather(
+    f: Factors,
+    lay: Layout,
+    span_len: torch.Tensor,
+    g: torch.Tensor,
+    i: torch.Tensor,
+    d: int,
+    out: dict | None = None,
+    row0: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+) -> Fetch:
     """Select the blocks of pairs (g[e], i[e]) from the packed (CPU) factors, compactly.
 
+    ``row0`` / ``rows`` [E]: only the token rows row0[e] .. row0[e] + rows[e] - 1 of span i[e] (a zoom block,
+    sekv/segment.py ``zoom_blocks``): those rows of U*sigma and the span's whole Vt.  Default: every row.
     ``out`` may hold preallocated (pinned) 1-D buffers named like the fields; they are
     used (and grown) in place so a CUDA copy can be asynchronous.
     """
-    n = span_len[i].long()
     r = lay.rank[g, i]
+    if row0 is None:
+        n = span_len[i].long()
+        row0 = torch.zeros_like(n)
+    else:
+        n = rows.long()
+        row0 = row0.long()
     parts = {
-        "us": (f.us, ranges(lay.us_off[g, i], n * r)),
+        "us": (f.us, ranges(lay.us_off[g, i] + row0 * r, n * r)),
         "vt": (f.vt, ranges(lay.vt_off[g, i], r * d)),
     }
     if f.us_scale is not None:
-        parts["us_scale"] = (f.us_scale, ranges(lay.row_off[g, i], n))
+        parts["us_scale"] = (f.us_scale, ranges(lay.row_off[g, i] + row0, n))
         parts["vt_scale"] = (f.vt_scale, ranges(torch.div(lay.vt_off[g, i], d, rounding_mode="floor"), r))
     got: dict[str, torch.Tensor | None] = {"us_scale": None, "vt_scale": None}
     for name, (src, idx) in parts.items():

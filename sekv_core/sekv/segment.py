@@ -116,14 +116,29 @@ def _merge(cands: list[int], lo: int, hi: int, min_span: int) -> list[int]:
 
 def _split(start: torch.Tensor, end: torch.Tensor, max_span: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Split spans longer than max_span into ceil(n / max_span) nearly equal pieces."""
+    _, a, b = split_pieces(start, end, max_span)
+    return a, b
+
+
+def split_pieces(start: torch.Tensor, end: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cut each range [start, end) into ceil(n / max_len) nearly equal contiguous pieces (lengths differ by at
+    most one) -> (range id, piece start, piece end) of every piece, in order."""
     n = end - start
-    pieces = torch.clamp((n + max_span - 1) // max_span, min=1)
+    pieces = torch.clamp((n + max_len - 1) // max_len, min=1)
     sid = torch.repeat_interleave(torch.arange(n.numel()), pieces)
     k = torch.arange(int(pieces.sum())) - (torch.cumsum(pieces, 0) - pieces)[sid]
     # piece k of span covers [start + floor(k*n/p), start + floor((k+1)*n/p))
     a = start[sid] + (k * n[sid]) // pieces[sid]
     b = start[sid] + ((k + 1) * n[sid]) // pieces[sid]
-    return a, b
+    return sid, a, b
+
+
+def zoom_blocks(span_start: torch.Tensor, span_end: torch.Tensor, unit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The units zoom-in decoding expands: each span cut into pieces of at most ``unit`` tokens (``unit`` <= 0:
+    one block per span) -> (span of each block, block start, block end), blocks in token order."""
+    if unit <= 0 or span_start.numel() == 0:
+        return torch.arange(span_start.numel()), span_start.clone(), span_end.clone()
+    return split_pieces(span_start, span_end, int(unit))
 
 
 def segment(
