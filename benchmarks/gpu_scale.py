@@ -187,7 +187,7 @@ def scout_answer(mem, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
 
     def per_answer():
-        mem.shared_prio.copy_(torch.randn(mem.n_spans, generator=g))
+        mem.shared_prio.copy_(torch.randn(mem.n_blocks, generator=g))  # a ranking of the zoom blocks
         mem.prio_version += 1
         mem._scout_pending = True
 
@@ -369,7 +369,7 @@ def main() -> None:
                 row["sekv_h2d_bytes_per_step"] = st.get("h2d_bytes_step")
                 row["sekv_zoom_spans_step"] = st.get("zoom_spans_step")
                 row["sekv_budget_bytes"] = st.get("budget_bytes")
-                row["sekv_spans"] = mem.n_spans
+                row["sekv_spans"], row["sekv_blocks"] = mem.n_spans, mem.n_blocks
                 dec = getattr(mem, "_dec", None)
                 if dec is not None:
                     row["sekv_batched"] = True

@@ -57,36 +57,49 @@ def _spy(mem):
     return queries, keys
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])
-def test_scout_masses_equal_full_kv_attention(kind):
+def _blocks(mem) -> list[tuple[int, int]]:
+    return list(zip(mem.block_start.tolist(), (mem.block_start + mem.block_len).tolist()))
+
+
+@pytest.mark.parametrize("kind,unit", [("qwen2", 16), ("llama", 16), ("qwen2", 3)])
+def test_scout_masses_equal_full_kv_attention(kind, unit):
     """With exact factors the scout's per-layer masses are full-KV attention's: its ranking is the reference's
-    sum of z-scored masses (softmax over document + question keys), minus the document profile."""
-    model, res, store, p, mem = _memory(kind, capture=False, **{**EXACT, "zoom": "router", "budget": 0.5})
+    sum of z-scored masses of the zoom blocks (softmax over document + question keys), minus the document profile."""
+    model, res, store, p, mem = _memory(kind, capture=False, **{**EXACT, "zoom": "router", "budget": 0.5, "zoom_unit": unit})
+    assert (mem.n_blocks > 2 * mem.n_spans) == (unit == 3)
     queries, keys = _spy(mem)
     q = torch.tensor([QUESTION])
     mem.prepare_question(lambda: runtime.forward_hidden(model, q, mem.n_tokens(), mem))
     assert mem.n_tokens() == res.n_tokens  # the scout's tokens are gone again
     assert mem.scout_profile is not None and not mem.scout_profile.any()  # no recorded queries: a zero profile
-    ref = _reference_sum(queries, keys, res, mem.spans())
+    ref = _reference_sum(queries, keys, res, _blocks(mem))
     assert torch.allclose(mem.shared_prio.double(), ref, atol=1e-3), (mem.shared_prio.double() - ref).abs().max()
 
 
 def test_document_profile_is_the_document_ends_masses():
-    model, res, store, p, mem = _memory(**{**EXACT, "zoom": "router", "budget": 0.5})
+    """The pack's profiles of spans and of the zoom blocks it was made for; at ask time another unit falls back to
+    each block's span profile."""
+    model, res, store, p, mem = _memory(**{**EXACT, "zoom": "router", "budget": 0.5, "zoom_unit": 3})
     qs = res.scores["obs_queries"]
     assert qs[0].shape[1] == scout.PROFILE_QUERIES
-    prof = store["sekv.scout.profile"]
-    ref = torch.zeros(mem.n_spans, dtype=torch.float64)
     d, group = res.shape.head_dim, res.shape.n_heads // res.shape.n_kv_heads
-    for layer, q in enumerate(qs):
-        best = torch.zeros(mem.n_spans, dtype=torch.float64)
-        for h in range(q.shape[0]):
-            for t in range(q.shape[1]):
-                pr = torch.softmax(res.keys[layer][h // group].double() @ q[h, t].double() * d**-0.5, 0)
-                best = torch.maximum(best, torch.tensor([float(pr[a:b].sum()) for a, b in mem.spans()], dtype=torch.float64))
-        ref += (best - best.mean()) / best.std()
-    assert torch.allclose(prof.double(), ref, atol=1e-3)
-    assert torch.allclose(mem.scout_profile.double(), ref, atol=1e-3)
+
+    def reference(ranges):
+        ref = torch.zeros(len(ranges), dtype=torch.float64)
+        for layer, q in enumerate(qs):
+            best = torch.zeros(len(ranges), dtype=torch.float64)
+            for h in range(q.shape[0]):
+                for t in range(q.shape[1]):
+                    pr = torch.softmax(res.keys[layer][h // group].double() @ q[h, t].double() * d**-0.5, 0)
+                    best = torch.maximum(best, torch.tensor([float(pr[a:b].sum()) for a, b in ranges], dtype=torch.float64))
+            ref += (best - best.mean()) / best.std()
+        return ref
+
+    spans = reference(mem.spans())
+    assert torch.allclose(store["sekv.scout.profile"].double(), spans, atol=1e-3)
+    assert torch.allclose(mem.scout_profile.double(), reference(_blocks(mem)), atol=1e-3)
+    other = methods.get("sekv").open(store, {**p, "zoom_unit": 5}, res.shape, "cpu")
+    assert torch.allclose(other.scout_profile.double(), spans[other.block_span], atol=1e-3)
 
 
 def test_scout_ranking_is_shared_by_every_layer_within_the_budget():
@@ -207,24 +220,28 @@ def test_fixed_set_is_fetched_once_and_reused_exactly(monkeypatch):
     assert h2d[0] > 0 and h2d[1] == 0
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])
-def test_fixed_set_attention_equals_reference_step(kind, monkeypatch):
+@pytest.mark.parametrize("kind,unit", [("qwen2", 16), ("llama", 16), ("qwen2", 4)])
+def test_fixed_set_attention_equals_reference_step(kind, unit, monkeypatch):
     """The batched fixed-set path (per-group share of the cap, rows in the annex, one SDPA over resident memory
     and rows) against the reference step (CPU, per-pair cap, explicit mixed mask) given the same ranking and the
     cap that keeps the same pairs: same logits, same spans."""
     from sekv_core.methods import sekv as sekv_method
 
-    model, res, store, p, ref = _memory(kind, n=600, budget=0.5, min_span=10, window=16)
+    model, res, store, p, ref = _memory(kind, n=600, budget=0.5, min_span=10, window=16, zoom_unit=unit)
     fast = methods.get("sekv").open(store, p, res.shape, "cpu")
     fast.batched = True
     ids = torch.tensor([QUESTION])
     fast.prepare_question(lambda: runtime.forward_hidden(model, ids, fast.n_tokens(), fast))
+    ref.prepare_question(lambda: runtime.forward_hidden(model, ids, ref.n_tokens(), ref))  # the reference step's scout pass
+    assert torch.allclose(fast.shared_prio, ref.shared_prio, atol=1e-3), (fast.shared_prio - ref.shared_prio).abs().max()
     ref.shared_prio.copy_(fast.shared_prio)  # the same ranking (the two scout passes differ by ~1e-4)
     ref._scout_ready, ref.prio_version = True, fast.prio_version
     a = [runtime.forward_logits(model, ids, fast.n_tokens(), fast, last_only=False)]
     per_group = fast._dec.fx_n[0]
     assert 0 < int(per_group.min()) and int(per_group.max()) < fast._dec.U // fast.shape.n_kv_heads + 1
     assert all(torch.equal(n, per_group) for n in fast._dec.fx_n)
+    if unit == 4:  # several blocks of one span in the set: its factor block fetched once, read by each of them
+        assert int(torch.bincount(fast.block_span[fast._dec.fx_keep[0][0].cpu()]).max()) >= 2
     cap_bytes = int(per_group.sum()) * ref.entry_bytes  # the reference keeps (g0, i1), (g1, i1), (g0, i2), ... to here
     inner = sekv_method.SekvMemory._begin_forward
 

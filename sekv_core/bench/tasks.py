@@ -11,7 +11,8 @@ that is prefilled once, and one or more :class:`Probe` questions asked of it.
               text (plus one distractor chain); name every variable that holds the number.
 * ``cwe``     common-word extraction: a numbered list of made-up words where a few words
               are frequent; name the most frequent ones.
-* ``qa``      the sample documents' questions (``sample_docs/QUESTIONS.md``).
+* ``qa``      the sample documents' questions (``sample_docs/QUESTIONS.md``); ``qa_heldout`` more of
+              them (``sample_docs/QUESTIONS_HELDOUT.md``), not used to choose any default.
 
 Lengths are in model tokens of the whole document prefix (``prompt.document_prefix``,
 system prompt and chat template included); the haystack is cut to the whole sentences
@@ -446,11 +447,11 @@ def parse_questions(markdown: str) -> list[tuple[str, int, str, list[str]]]:
     return out
 
 
-def gen_qa(tokenizer, seed: int) -> list[Context]:
+def gen_qa(tokenizer, seed: int, questions: str = "QUESTIONS.md", task: str = "qa") -> list[Context]:
     from ..documents import load_document
 
     d = sample_docs_dir()
-    qfile = d / "QUESTIONS.md"
+    qfile = d / questions
     if not qfile.is_file():
         raise SekvError(f"{qfile} not found: the qa task needs the repository's sample_docs/")
     by_doc: dict[str, list[Probe]] = {}
@@ -461,7 +462,7 @@ def gen_qa(tokenizer, seed: int) -> list[Context]:
     for doc, probes in by_doc.items():
         text = load_document(d / doc).text
         n = len(prompt.encode(tokenizer, prompt.document_prefix(tokenizer, text)))
-        out.append(Context("qa", n, None, seed, text, probes, n, {"document": doc}))
+        out.append(Context(task, n, None, seed, text, probes, n, {"document": doc}))
     return out
 
 
@@ -479,7 +480,10 @@ GRID_TASKS: dict[str, Callable[..., Context]] = {
 DEPTH_TASKS = ("niah", "mk_niah")  # tasks whose contexts span the depth grid
 HAYSTACK_TASKS = ("niah", "mk_niah", "mv_niah")
 GROUPS = {"ruler": ["mk_niah", "mv_niah", "vt", "cwe"], "all": ["niah", "mk_niah", "mv_niah", "vt", "cwe", "qa"]}
-TASK_NAMES = [*GRID_TASKS, "qa"]
+#: the sample documents' question files: `qa` (the README's and QUESTIONS.md's), `qa_heldout` (questions written
+#: after sekv's scout defaults were chosen on `qa`, to check them on questions they were not tuned on)
+QA_TASKS = {"qa": "QUESTIONS.md", "qa_heldout": "QUESTIONS_HELDOUT.md"}
+TASK_NAMES = [*GRID_TASKS, *QA_TASKS]
 
 
 def expand_tasks(spec: str) -> list[str]:
@@ -510,8 +514,8 @@ def generate(
     essays: list[list[str]] | None = None,
 ) -> list[Context]:
     """Every context of one task, in grid order (length-major, then depth)."""
-    if task == "qa":
-        return gen_qa(tokenizer, seed)
+    if task in QA_TASKS:
+        return gen_qa(tokenizer, seed, QA_TASKS[task], task)
     gen = GRID_TASKS.get(task)
     if gen is None:
         raise SekvError(f"unknown benchmark task '{task}'; choose from {', '.join(TASK_NAMES)}")

@@ -371,7 +371,7 @@ class SekvMemory(KVMemory):
         b = dec.blocks[layer]
         n_pairs = self.shape.n_kv_heads * S
         chunk = max(dec.P, 64)
-        first, per_span = self._span_blocks()
+        first, per_span, row_block = self._span_blocks()
         lse, grp, sid = [], [], []
         for a in range(0, n_pairs, chunk):
             pair = torch.arange(a, min(a + chunk, n_pairs), device=self.device)
@@ -384,24 +384,38 @@ class SekvMemory(KVMemory):
                 grp.append(g)
                 sid.append(i)
                 continue
+            # one segmented logsumexp: each row's exp (against its pair's max) summed into its block of the span
             logits = torch.bmm(q[g], keys.transpose(1, 2)) * scaling  # [P, M, n_max]
-            j = torch.arange(keys.shape[1], device=self.device).view(1, 1, -1)
-            for k in range(per_span):  # the k-th block of each span (where it has one)
-                blk = (first[i] + k).clamp_max(self.n_blocks - 1)
-                has = self.block_span_dev[blk] == i
-                lo = self.block_off_dev[blk].view(-1, 1, 1)
-                inside = (j >= lo) & (j < lo + self.block_len_dev[blk].view(-1, 1, 1))
-                part = torch.logsumexp(logits.masked_fill(~inside, float("-inf")), dim=-1)  # [P, M]
-                lse.append(part[has])
-                grp.append(g[has])
-                sid.append(blk[has])
+            rb = row_block[i]  # [P, n_max]: the block-within-span of each row, -1 past the span
+            mx = logits.masked_fill((rb < 0).unsqueeze(1), float("-inf")).amax(-1, keepdim=True)  # [P, M, 1]
+            e = torch.exp(logits - mx).masked_fill((rb < 0).unsqueeze(1), 0.0)
+            sums = torch.zeros(*e.shape[:2], per_span, device=self.device).scatter_add_(2, rb.clamp_min(0).unsqueeze(1).expand_as(e), e)
+            part = (sums.log() + mx).transpose(1, 2).reshape(-1, e.shape[1])  # [P * per_span, M]
+            k = torch.arange(per_span, device=self.device).view(1, -1)
+            blk = (first[i].view(-1, 1) + k).flatten()
+            has = (k < self._blocks_per_span_dev[i].view(-1, 1)).flatten()
+            lse.append(part[has])
+            grp.append(g.view(-1, 1).expand(-1, per_span).flatten()[has])
+            sid.append(blk[has])
         return torch.cat(lse), torch.cat(grp), torch.cat(sid)
 
-    def _span_blocks(self) -> tuple[torch.Tensor, int]:
-        """(first zoom block of each span [S] on the device, the most blocks a span has)."""
-        counts = torch.bincount(self.block_span, minlength=self.n_spans)
-        first = torch.cumsum(counts, 0) - counts
-        return first.to(self.device), int(counts.max()) if counts.numel() else 0
+    def _span_blocks(self) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """(first zoom block of each span [S], the most blocks a span has, the block-within-span of each row of each
+        span [S, n_max] (-1 past its end)), on the device; computed once."""
+        if getattr(self, "_span_block_tables", None) is None:
+            counts = torch.bincount(self.block_span, minlength=self.n_spans)
+            first = torch.cumsum(counts, 0) - counts
+            n_max = int(self.span_len.max())
+            row_block = torch.full((self.n_spans, n_max), -1, dtype=torch.long)
+            for k in range(int(counts.max())):  # the k-th block of each span that has one
+                b = (first + k)[counts > k]
+                rows = self.block_off[b].view(-1, 1) + torch.arange(n_max).view(1, -1)
+                inside = rows < (self.block_off[b] + self.block_len[b]).view(-1, 1)
+                sp = self.block_span[b].view(-1, 1).expand_as(rows)
+                row_block[sp[inside], rows[inside]] = k
+            self._blocks_per_span_dev = counts.to(self.device)
+            self._span_block_tables = (first.to(self.device), int(counts.max()), row_block.to(self.device))
+        return self._span_block_tables
 
     def _fetch_blocks(self, layer: int, g: torch.Tensor, b: torch.Tensor, out: dict | None = None) -> fz.Fetch:
         """The factor rows of (factor head g, zoom block b) pairs (host indices; g >= Hkv: value heads)."""

@@ -343,9 +343,14 @@ class BatchedDecoder:
         ok = torch.cumprod((torch.cumsum(n, 1) <= ug).to(torch.int8), 1).bool()
         grp = torch.arange(hkv, device=dev).view(-1, 1)
         b = self.blocks[layer]
-        rows, words = fb.fetch(b, (grp * s + m.block_span_dev[idx]).flatten(), ok.flatten())
+        # a span's factor block is fetched once, by its first kept block; its other blocks read those rows (first
+        # occurrence from a [pg, pg] comparison: no host sync)
+        span = m.block_span_dev[idx]  # [Hkv, pg]
+        first = (span.unsqueeze(2) == span.unsqueeze(1)).to(torch.int8).argmax(2)  # [Hkv, pg]: first pair of the same span
+        fetch_ok = ok & (first == torch.arange(pg, device=dev).view(1, -1))
+        rows, words = fb.fetch(b, (grp * s + span).flatten(), fetch_ok.flatten())
         us, vt = fb.unpack(b, rows, m.shape.dtype)
-        rec = torch.matmul(us, vt)  # [Hkv * pg, 2, n_max, d]
+        rec = torch.matmul(us, vt)  # [Hkv * pg, 2, n_max, d]; rows of pairs not fetched are unused
         nm = b.n_max
         n_ok = torch.where(ok, n, torch.zeros_like(n))
         ends = torch.cumsum(n_ok, 1)  # [Hkv, pg]
@@ -353,8 +358,8 @@ class BatchedDecoder:
         p_of = torch.searchsorted(ends, t, right=True).clamp_max(pg - 1)  # row t of group g <- its pair p, row j
         j_of = t - (ends - n_ok).gather(1, p_of)
         slot_ok = (t < ends[:, -1:]).view(-1, 1)
-        blk = idx.gather(1, p_of)  # row t of group g <- block blk, its row j_of
-        src = torch.where(slot_ok.view(hkv, ug), (grp * pg + p_of) * nm + m.block_off_dev[blk] + j_of, torch.zeros_like(t)).flatten()
+        blk = idx.gather(1, p_of)  # row t of group g <- block blk, its row j_of, from the pair that fetched its span
+        src = torch.where(slot_ok.view(hkv, ug), (grp * pg + first.gather(1, p_of)) * nm + m.block_off_dev[blk] + j_of, torch.zeros_like(t)).flatten()
         krows = self._rope(rec[:, 0].reshape(-1, d).index_select(0, src), (m.block_start_dev[blk] + j_of).flatten())
         ak, av = m.kv.annex_kv(layer)
         ak[0].copy_(krows.masked_fill(~slot_ok, 0).view(hkv, ug, d))
