@@ -59,9 +59,9 @@ def answer_payload(session: Session, answer, question: str) -> dict:
         },
     }
     if extra:
-        zoom = {k: v for k, v in extra.items() if k != "span_zoom_counts"}
+        zoom = {k: v for k, v in extra.items() if k not in ("span_zoom_counts", "span_order")}
         payload["zoom"] = zoom
-        payload["evidence"] = evidence_rows(session, extra.get("span_zoom_counts") or {})
+        payload["evidence"] = evidence_rows(session, extra.get("span_zoom_counts") or {}, span_order=extra.get("span_order"))
     return payload
 
 
@@ -91,7 +91,8 @@ def run_question(session: Session, question: str, max_new_tokens: int, as_json: 
         sys.stdout.write("\n")
     err.print(kv_table("", stats_rows(answer.stats.as_dict(), session.method, session.params.get("budget"))))
     if show_evidence:
-        rows = evidence_rows(session, (answer.stats.extra or {}).get("span_zoom_counts") or {})
+        extra = answer.stats.extra or {}
+        rows = evidence_rows(session, extra.get("span_zoom_counts") or {}, span_order=extra.get("span_order"))
         if not rows:
             err.print("[dim]no zoomed passages (this method does not zoom, or nothing was expanded)[/]")
         for r in rows[:5]:

@@ -73,6 +73,35 @@ def test_chat_repl(tiny_pack):
     assert r.exit_code == 0
 
 
+def test_default_method_is_sekv_with_zoom_stats_and_evidence(tiny_qwen, tmp_path):
+    """No --method: a sekv pack (the default); ask --json reports the zoom and the zoomed passages with their text
+    and page, --show-evidence prints them, inspect shows the span statistics."""
+    pack = tmp_path / "log.sekv"
+    code, out, err = run("ingest", SAMPLE_MD, "-o", pack, "--model", tiny_qwen, "-q")
+    assert code == 0, err
+    code, out, err = run("ask", pack, "How many steps does the tower have?", "--json", "-n", "6")
+    assert code == 0, err
+    obj = json.loads(out)
+    assert obj["method"] == "sekv" and obj["budget"] == 0.1
+    z = obj["zoom"]
+    assert z["zoom_spans_total"] > 0 and z["budget_bytes"] > 0 and len(z["zoom_rate_per_layer"]) == 2
+    assert obj["memory"]["resident_kv_bytes_peak"] - z["appended_bytes"] <= z["budget_bytes"]
+    ev = obj["evidence"]
+    assert ev and all(r["text"] and r["page"] in (0, 1) and r["zoom_count"] > 0 for r in ev)  # page 0: the prompt's head
+    assert any(r["page"] == 1 for r in ev)
+    counts = [r["zoom_count"] for r in ev]
+    assert counts == sorted(counts, reverse=True)
+    code, out, err = run("ask", pack, "How many steps does the tower have?", "-n", "4", "--show-evidence")
+    assert code == 0, err
+    assert "zoomed" in err and "page 1" in err
+    code, out, err = run("inspect", pack, "--json")
+    assert code == 0, err
+    m = json.loads(out)
+    st = m["method_stats"]
+    assert m["method"] == "sekv" and st["spans"] > 0 and st["zoom_blocks"] >= st["spans"] and st["zoom_unit"] == 16
+    assert 0 < st["lexical_terms"] <= m["n_tokens"]
+
+
 def test_pack_made_with_other_model_is_refused(tiny_pack, tiny_llama):
     code, _, err = run("ask", tiny_pack, "q", "--model", tiny_llama)
     assert_one_line_error(code, err, "made with model")

@@ -30,7 +30,7 @@ def synthetic_prefill(n=300, hkv=2, h=4, d=16, layers=2, seed=0) -> PrefillResul
 
 def open_memory(pf: PrefillResult, **overrides):
     m = methods.get("sekv")
-    params = m.resolve_params({"min_span": 12, "window": 20, **overrides})
+    params = m.resolve_params({"min_span": 12, "window": 20, "store_dtype": "model", **overrides})  # float32 at rest: exact references
     store = Store(m.compress(pf, params))
     return m, params, store, m.open(store, params, pf.shape, "cpu")
 

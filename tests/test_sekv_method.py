@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -23,11 +24,12 @@ EXACT = {
     "rank_max": 64,
     "factors_8bit": False,
     "factor_dtype": "float32",
+    "store_dtype": "model",  # the full-resolution tokens at the model's float32, not float16
     "min_span": 8,
     "window": 16,
     "router": "untrained",  # a trained rank gate would drop components: exactness needs every one
 }
-STAT_KEYS = {"zoom_spans_step", "zoom_spans_total", "h2d_bytes_step", "h2d_bytes_total", "zoom_rate_per_layer", "span_zoom_counts", "budget_bytes", "appended_bytes"}
+STAT_KEYS = {"zoom_spans_step", "zoom_spans_total", "h2d_bytes_step", "h2d_bytes_total", "zoom_rate_per_layer", "span_zoom_counts", "budget_bytes", "appended_bytes", "span_order"}
 
 
 class Store(dict):
@@ -333,7 +335,17 @@ def test_trained_router_is_read_from_its_file_not_the_pack(tmp_path, monkeypatch
 
 
 def test_pca_router_w_is_stored_in_the_model_dtype():
-    """The per-document PCA W is stored in the model dtype (what the memory casts it to), not float32."""
-    *_, store, p, mem, _ = _setup("qwen2", n=300, min_span=8, router="untrained")
-    assert store["sekv.router.w.0"].dtype == mem.shape.dtype
+    """The per-document PCA W and the resident tensors are stored 16-bit: a float32 model's in float16 (the
+    memory casts them back), a 16-bit model's in its own dtype; store_dtype="model" keeps float32."""
+    *_, res, store, p, mem, _ = _setup("qwen2", n=300, min_span=8, router="untrained")
+    assert mem.shape.dtype == torch.float32
+    for name in ("sekv.router.w.0", "sekv.full.k.0", "sekv.full.v.1", "sekv.coarse.k.0", "sekv.coarse.v.1"):
+        assert store[name].dtype == torch.float16, name
     assert torch.equal(mem.w[0], store["sekv.router.w.0"].to(mem.shape.dtype))
+    # the resident keys are the prefill's, rounded to float16 once
+    assert torch.equal(mem.kv.k[0][0, :, : mem.n_full], res.keys[0][:, store["sekv.full_idx"]].half().float())
+    m = methods.get("sekv")
+    kept = m.compress(res, m.resolve_params({**p, "store_dtype": "model"}))
+    assert kept["sekv.full.k.0"].dtype == torch.float32 and torch.equal(kept["sekv.full.k.0"], res.keys[0][:, kept["sekv.full_idx"]])
+    half = dataclasses.replace(res, keys=[k.bfloat16() for k in res.keys], values=[v.bfloat16() for v in res.values])
+    assert m.compress(half, p)["sekv.full.k.0"].dtype == torch.bfloat16

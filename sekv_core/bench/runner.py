@@ -210,6 +210,8 @@ def method_stats(extra: dict | None) -> dict | None:
             out["spans_zoomed"] = len(vals)
             out["span_zooms_total"] = float(sum(float(x) for x in vals)) if vals else 0
             continue
+        if k == "span_order":  # evidence order for the CLI; not a statistic
+            continue
         out[k] = v
     return out
 

@@ -85,6 +85,15 @@ def _config(store: TensorStore) -> dict[str, int]:
     return dict(zip(("n_tokens", "n_layers", "n_kv_heads", "head_dim", "min_span", "max_span", "window", "n_sink"), c))
 
 
+def store_dtype(params: dict[str, Any], model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the pack's full-resolution tokens, coarse entries and PCA W: the model's when it is 16-bit, else
+    float16 (a float32 model on a CPU without bf16 would double them: the 3.2K manual's pack 0.228 -> 0.19 of the raw
+    fp16 KV); ``store_dtype="model"`` keeps the model's (exactness tests)."""
+    if params.get("store_dtype", "auto") == "model" or model_dtype in (torch.float16, torch.bfloat16):
+        return model_dtype
+    return torch.float16
+
+
 def zoom_band(params: dict[str, Any], n_layers: int) -> tuple[int, int, float]:
     """(zoom_from, zoom_to, zoom_outer) clamped: the layers [zoom_from, zoom_to) share the expansion room (zoom_to 0:
     through the last layer), a layer outside gets zoom_outer (0..1) times the share of one inside."""
@@ -278,8 +287,17 @@ class SekvMemory(KVMemory):
                 "span_zoom_counts": counts,
                 "budget_bytes": int(self._budget_bytes),
                 "appended_bytes": int(self._appended_bytes),
+                "span_order": self._span_order(),
             },
         )
+
+    def _span_order(self, limit: int = 32) -> list[int]:
+        """Under a scout ranking: the spans in the order of their best-ranked zoom block (the first `limit`), which
+        orders the evidence where every layer expanded the same spans; else []."""
+        if self.shared_prio is None or not self._scout_ready or self.n_spans == 0:
+            return []
+        best = torch.full((self.n_spans,), float("-inf")).scatter_reduce(0, self.block_span, self.shared_prio.float().cpu(), "amax")
+        return torch.argsort(best, descending=True, stable=True)[:limit].tolist()
 
     # -- stats ----------------------------------------------------------------------------------------------
 
@@ -734,6 +752,7 @@ class SekvMethod(CacheMethod):
         "value_bits": 3,
         "scale_bits": 8,
         "factor_dtype": "float16",  # float factors when not 8-bit ("float32" for exactness tests)
+        "store_dtype": "auto",  # full-resolution / coarse tensors at rest: the model dtype if 16-bit, else float16; "model"
         "key_space": "pre_rope",  # or "post_rope"
         "svd": "gram",  # or "svd" (torch.linalg.svd)
         "d_r": router.D_R,
@@ -897,18 +916,19 @@ class SekvMethod(CacheMethod):
         if pre:
             cos, sin = cos.to(dev), sin.to(dev)
         copies = _HostCopies(dev, self._take_arena() if dev.type == "cuda" else None)
+        sdt = store_dtype(params, prefill.keys[0].dtype)
         for li in range(L):
             copies.submit(out)  # the previous layer's results travel while this layer computes
             k, v = prefill.keys[li], prefill.values[li]
-            out[f"sekv.full.k.{li}"] = k[:, full_idx].contiguous()
-            out[f"sekv.full.v.{li}"] = v[:, full_idx].contiguous()
+            out[f"sekv.full.k.{li}"] = k[:, full_idx].to(sdt).contiguous()
+            out[f"sekv.full.v.{li}"] = v[:, full_idx].to(sdt).contiguous()
             kbar = weighted_means(k, pos, sid, weights, S)
-            out[f"sekv.coarse.k.{li}"] = kbar.to(k.dtype)
-            out[f"sekv.coarse.v.{li}"] = weighted_means(v, pos, sid, weights, S).to(v.dtype)
+            out[f"sekv.coarse.k.{li}"] = kbar.to(sdt)
+            out[f"sekv.coarse.v.{li}"] = weighted_means(v, pos, sid, weights, S).to(sdt)
             w = router.pca_init(k, int(params["d_r"]), kbar)
-            # stored in the model dtype, which the memory casts it to at open: the same W, half the bytes of float32
-            out[f"sekv.router.w.{li}"] = w.to(k.dtype)
-            out[f"sekv.router.norm.{li}"] = router.span_norms(w, kbar.to(k.dtype))
+            # stored in the 16-bit store dtype, which the memory casts to the model's at open
+            out[f"sekv.router.w.{li}"] = w.to(sdt)
+            out[f"sekv.router.norm.{li}"] = router.span_norms(w, kbar.to(sdt))
             kx = k[:, pos].float()
             if pre:
                 kx = rope.undo(kx, cos, sin)
@@ -975,9 +995,16 @@ class SekvMethod(CacheMethod):
                        f"row scales {c['scales']}), int8 in memory")
         else:
             factors = "int8" if "sekv.fk.0.us_scale" in nbytes else "float"
+        unit = max(0, int(params.get("zoom_unit", 0)))
+        names = set(store.keys())
+        lex = store.get("sekv.lex.terms") if "sekv.lex.terms" in names else None
         return {
             "spans": int(lens.numel()),
             "mean_span_tokens": round(float(lens.mean()), 1) if lens.numel() else 0.0,
+            "zoom_unit": unit,
+            "zoom_blocks": int(zoom_blocks(start, end, unit)[0].numel()),
+            # tokens with a word term for the scout's lexical evidence (0: a pack from before it, attention alone)
+            "lexical_terms": int((lex >= 0).sum()) if lex is not None else 0,
             "full_resolution_tokens": n_full,
             "full_resolution_share": round(n_full / max(n, 1), 4),
             "anchors": int(store.get("sekv.anchor_idx").numel()),
