@@ -35,6 +35,33 @@ def open_memory(pf: PrefillResult, **overrides):
     return m, params, store, m.open(store, params, pf.shape, "cpu")
 
 
+def hand_mixed_attention(qv, kv, K, V, s, full_idx, spans, new_k, new_v, scale, expanded=frozenset()):
+    """The mixed-resolution softmax written out for one query vector of KV group kv: the full-resolution tokens,
+    per span its coarse entry (the surprisal-weighted mean key / value, + log of its tokens not in ``expanded``,
+    absent when all are) and its expanded tokens at full resolution, then the new tokens new_k / new_v [Hkv, u, d]."""
+    scores, vals = [], []
+    for j in full_idx:
+        scores.append(float(qv @ K[kv, j]) * scale)
+        vals.append(V[kv, j])
+    for a, b in spans:
+        w = [max(float(s[p]), 1e-6) for p in range(a, b)]
+        kbar = sum(wi * K[kv, p] for wi, p in zip(w, range(a, b))) / sum(w)
+        vbar = sum(wi * V[kv, p] for wi, p in zip(w, range(a, b))) / sum(w)
+        rest = sum(1 for p in range(a, b) if p not in expanded)
+        if rest:
+            scores.append(float(qv @ kbar) * scale + math.log(rest))
+            vals.append(vbar)
+        for p in range(a, b):
+            if p in expanded:
+                scores.append(float(qv @ K[kv, p]) * scale)
+                vals.append(V[kv, p])
+    for u in range(new_k.shape[1]):  # the new tokens (the caller passes the causal prefix)
+        scores.append(float(qv @ new_k[kv, u]) * scale)
+        vals.append(new_v[kv, u])
+    p = torch.softmax(torch.tensor(scores, dtype=torch.float64), 0)
+    return sum(float(pi) * vi.double() for pi, vi in zip(p, vals))
+
+
 def test_no_expansion_equals_hand_computed_mixed_softmax():
     pf = synthetic_prefill()
     m, params, store, mem = open_memory(pf, zoom="none", factors_8bit=False)
@@ -52,27 +79,10 @@ def test_no_expansion_equals_hand_computed_mixed_softmax():
     mem.attend(0, query, key, value, scale)  # layer 0 first (starts the step)
     out = mem.attend(layer, query, key, value, scale)
 
-    K, V = pf.keys[layer], pf.values[layer]
     for h in range(H):
-        kv = h // (H // hkv)
         for t in range(q_new):
-            qv = query[0, h, t]
-            scores, vals = [], []
-            for j in full_idx:
-                scores.append(float(qv @ K[kv, j]) * scale)
-                vals.append(V[kv, j])
-            for a, b in zip(starts, ends):
-                w = [max(float(s[p]), 1e-6) for p in range(a, b)]
-                tot = sum(w)
-                kbar = sum(wi * K[kv, p] for wi, p in zip(w, range(a, b))) / tot
-                vbar = sum(wi * V[kv, p] for wi, p in zip(w, range(a, b))) / tot
-                scores.append(float(qv @ kbar) * scale + math.log(b - a))
-                vals.append(vbar)
-            for u in range(t + 1):  # the new tokens, causal
-                scores.append(float(qv @ key[0, kv, u]) * scale)
-                vals.append(value[0, kv, u])
-            p = torch.softmax(torch.tensor(scores, dtype=torch.float64), 0)
-            want = sum(float(pi) * vi.double() for pi, vi in zip(p, vals))
+            want = hand_mixed_attention(query[0, h, t], h // (H // hkv), pf.keys[layer], pf.values[layer], s, full_idx,
+                                        zip(starts, ends), key[0, :, : t + 1], value[0, :, : t + 1], scale)
             assert torch.allclose(out[0, h, t].double(), want, atol=1e-5), (h, t)
 
 

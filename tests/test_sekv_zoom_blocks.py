@@ -13,7 +13,7 @@ from sekv_core import methods, runtime
 from sekv_core.sekv import lexical
 from sekv_core.sekv.segment import zoom_blocks
 
-from test_sekv_attention import open_memory, synthetic_prefill
+from test_sekv_attention import hand_mixed_attention, open_memory, synthetic_prefill
 from test_sekv_method import EXACT, _setup
 
 
@@ -81,35 +81,13 @@ def test_some_blocks_expanded_equals_hand_computed_mixed_softmax():
     out = mem.attend(1, query, key, value, scale)
     assert bool(mem._held[1][0][0, sorted(chosen)].all()) and int(mem._held[1][0].sum()) == hkv * len(chosen)
 
-    K, V, s = pf.keys[1], pf.values[1], pf.surprisal
     full_idx = store["sekv.full_idx"].tolist()
-    starts, ends = store["sekv.span_start"].tolist(), store["sekv.span_end"].tolist()
+    spans = list(zip(store["sekv.span_start"].tolist(), store["sekv.span_end"].tolist()))
     expanded_tok = {t for b in chosen for t in range(int(mem.block_start[b]), int(mem.block_start[b] + mem.block_len[b]))}
     for h in range(H):
-        kv = h // (H // hkv)
         for t in range(2):
-            qv = query[0, h, t]
-            scores, vals = [], []
-            for j in full_idx:
-                scores.append(float(qv @ K[kv, j]) * scale)
-                vals.append(V[kv, j])
-            for a, b in zip(starts, ends):
-                w = [max(float(s[p]), 1e-6) for p in range(a, b)]
-                kbar = sum(wi * K[kv, p] for wi, p in zip(w, range(a, b))) / sum(w)
-                vbar = sum(wi * V[kv, p] for wi, p in zip(w, range(a, b))) / sum(w)
-                rest = sum(1 for p in range(a, b) if p not in expanded_tok)
-                if rest:
-                    scores.append(float(qv @ kbar) * scale + math.log(rest))
-                    vals.append(vbar)
-                for p in range(a, b):
-                    if p in expanded_tok:
-                        scores.append(float(qv @ K[kv, p]) * scale)
-                        vals.append(V[kv, p])
-            for u in range(t + 1):
-                scores.append(float(qv @ key[0, kv, u]) * scale)
-                vals.append(value[0, kv, u])
-            pr = torch.softmax(torch.tensor(scores, dtype=torch.float64), 0)
-            want = sum(float(pi) * vi.double() for pi, vi in zip(pr, vals))
+            want = hand_mixed_attention(query[0, h, t], h // (H // hkv), pf.keys[1], pf.values[1], pf.surprisal, full_idx, spans,
+                                        key[0, :, : t + 1], value[0, :, : t + 1], scale, expanded_tok)
             assert torch.allclose(out[0, h, t].double(), want, atol=1e-4), (h, t, (out[0, h, t].double() - want).abs().max())
 
 
