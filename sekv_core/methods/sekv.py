@@ -143,10 +143,9 @@ class SekvMemory(KVMemory):
         self.inv_norm = (1.0 / (norms.clamp_min(1e-6) * math.sqrt(rt.d_r))).to(device)  # [L, Hw, S]
         self.logit_tau = rt.logit_tau().to(device)  # [L, H]
         self.log_n = self.span_len.float().log().to(device)
-        # zoom blocks (sekv/segment.py zoom_blocks): the unit the budget cap keeps; zoom_unit 0 = whole spans (SPEC).
-        # A block is rebuilt from its span's factors (its rows of U*sigma, the span's Vt); a span's coarse entry then
-        # stands for its tokens not expanded (attention.coarse_scores)
-        # blocks are the scout ranking's unit; the per-layer router gates whole spans
+        # zoom blocks (sekv/segment.py zoom_blocks): the unit the scout's ranking and the budget cap keep (the per-layer
+        # router gates whole spans); zoom_unit 0 = whole spans (SPEC).  A block is rebuilt from its span's factors (its
+        # rows of U*sigma, the span's Vt); a span's coarse entry then stands for its tokens not expanded
         self.zoom_unit = max(0, int(params.get("zoom_unit", 0))) if params.get("routing", "scout") == "scout" else 0
         bs, b0, b1 = zoom_blocks(self.span_start, self.span_end, self.zoom_unit)
         self.block_span, self.block_start, self.block_len = bs.long(), b0.long(), (b1 - b0).long()
@@ -296,8 +295,11 @@ class SekvMemory(KVMemory):
         orders the evidence where every layer expanded the same spans; else []."""
         if self.shared_prio is None or not self._scout_ready or self.n_spans == 0:
             return []
-        best = torch.full((self.n_spans,), float("-inf")).scatter_reduce(0, self.block_span, self.shared_prio.float().cpu(), "amax")
-        return torch.argsort(best, descending=True, stable=True)[:limit].tolist()
+        cached = getattr(self, "_span_order_of", None)
+        if cached is None or cached[0] != self.prio_version:  # once per ranking: step_stats() runs every step
+            best = torch.full((self.n_spans,), float("-inf")).scatter_reduce(0, self.block_span, self.shared_prio.float().cpu(), "amax")
+            self._span_order_of = cached = (self.prio_version, torch.argsort(best, descending=True, stable=True)[:limit].tolist())
+        return list(cached[1])
 
     # -- stats ----------------------------------------------------------------------------------------------
 
@@ -389,7 +391,7 @@ class SekvMemory(KVMemory):
         b = dec.blocks[layer]
         n_pairs = self.shape.n_kv_heads * S
         chunk = max(dec.P, 64)
-        first, per_span, row_block = self._span_blocks()
+        first, counts, per_span, row_block = self._span_blocks()
         lse, grp, sid = [], [], []
         for a in range(0, n_pairs, chunk):
             pair = torch.arange(a, min(a + chunk, n_pairs), device=self.device)
@@ -411,15 +413,15 @@ class SekvMemory(KVMemory):
             part = (sums.log() + mx).transpose(1, 2).reshape(-1, e.shape[1])  # [P * per_span, M]
             k = torch.arange(per_span, device=self.device).view(1, -1)
             blk = (first[i].view(-1, 1) + k).flatten()
-            has = (k < self._blocks_per_span_dev[i].view(-1, 1)).flatten()
+            has = (k < counts[i].view(-1, 1)).flatten()
             lse.append(part[has])
             grp.append(g.view(-1, 1).expand(-1, per_span).flatten()[has])
             sid.append(blk[has])
         return torch.cat(lse), torch.cat(grp), torch.cat(sid)
 
-    def _span_blocks(self) -> tuple[torch.Tensor, int, torch.Tensor]:
-        """(first zoom block of each span [S], the most blocks a span has, the block-within-span of each row of each
-        span [S, n_max] (-1 past its end)), on the device; computed once."""
+    def _span_blocks(self) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+        """(first zoom block of each span [S], its number of blocks [S], the most blocks a span has, the block-within-
+        span of each row of each span [S, n_max] (-1 past its end)), on the device; computed once."""
         if getattr(self, "_span_block_tables", None) is None:
             counts = torch.bincount(self.block_span, minlength=self.n_spans)
             first = torch.cumsum(counts, 0) - counts
@@ -431,8 +433,7 @@ class SekvMemory(KVMemory):
                 inside = rows < (self.block_off[b] + self.block_len[b]).view(-1, 1)
                 sp = self.block_span[b].view(-1, 1).expand_as(rows)
                 row_block[sp[inside], rows[inside]] = k
-            self._blocks_per_span_dev = counts.to(self.device)
-            self._span_block_tables = (first.to(self.device), int(counts.max()), row_block.to(self.device))
+            self._span_block_tables = (first.to(self.device), counts.to(self.device), int(counts.max()), row_block.to(self.device))
         return self._span_block_tables
 
     def _fetch_blocks(self, layer: int, g: torch.Tensor, b: torch.Tensor, out: dict | None = None) -> fz.Fetch:
@@ -443,7 +444,7 @@ class SekvMemory(KVMemory):
     def _block_rows(self, layer: int, g: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Keys of (group g, zoom block b) pairs rebuilt from the factors, post-RoPE: [E, n_max, d] float32."""
         dev = self._fetch_blocks(layer, g, b).to(self.device)
-        return self._rope_rows(fz.expand(dev, self.shape.head_dim, torch.float32), self.block_start.to(self.device)[b.to(self.device)])
+        return self._rope_rows(fz.expand(dev, self.shape.head_dim, torch.float32), self.block_start_dev[b.to(self.device)])
 
     def _rope_rows(self, rows: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """Pre-RoPE packs: rotate reconstructed key rows [E, n_max, d] of blocks starting at token positions start [E]
@@ -578,9 +579,9 @@ class SekvMemory(KVMemory):
             values = torch.cat([values, rv.unsqueeze(0)], 2)
         else:
             self._held[layer] = None
-        coarse = None if self.whole_spans else self.coarse_mask(expanded)
         mask = build_mask(
-            n_heads=H, n_q=q, n_full=self.n_full, log_n=self.log_n, expanded=expanded, n_tail=n_tail, slot_span=slot_span, dtype=query.dtype, coarse=coarse
+            n_heads=H, n_q=q, n_full=self.n_full, log_n=self.log_n, expanded=expanded, n_tail=n_tail, slot_span=slot_span, dtype=query.dtype,
+            coarse=self.coarse_mask(expanded),
         )
         out = mixed_attention(query, keys, values, mask, scaling)
         self._account(layer, keep, expanded)
@@ -614,7 +615,7 @@ class SekvMemory(KVMemory):
         rows = fz.expand(dev, d, torch.float32)  # [2E, n_max, d]
         e = g.numel()
         idev = i.to(self.device)
-        self._rope_rows(rows[:e], self.block_start.to(self.device)[idev])
+        self._rope_rows(rows[:e], self.block_start_dev[idev])
         out, blk, _ = place(rows.to(self.shape.dtype), g2.to(self.device), self.block_len_dev[i2.to(self.device)], 2 * hkv)
         slot_span = torch.where(blk[:hkv] >= 0, idev[blk[:hkv].clamp_min(0)], torch.full_like(blk[:hkv], -1))
         return out[:hkv], out[hkv:], slot_span

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from . import blocks as fb
 from . import rope, router
-from .attention import build_mask, coarse_scores, flat_attention, route, select_topk
+from .attention import build_mask, flat_attention, route, select_topk
 
 _SLOT_META = 0  # bytes per slot beyond its K and V (slot -> pair is recomputed each step, nothing is stored)
 

@@ -14,6 +14,7 @@ of the word each token belongs to (-1: none); the question's side from the quest
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 import zlib
@@ -68,8 +69,6 @@ def token_terms(text: str, offsets: list[tuple[int, int]]) -> torch.Tensor:
     out = torch.full((len(offsets),), -1, dtype=torch.int32)
     if not ids:
         return out
-    import bisect
-
     for i, (a, b) in enumerate(offsets):
         j = bisect.bisect_right(ends, a)  # the first word ending after the token starts
         if j < len(ids) and starts[j] < b:
