@@ -49,11 +49,13 @@ def generate(
     graphs: bool | None = None,
     compile_layers: bool = False,
     question: str | None = None,
+    sampler: Callable[[torch.Tensor], int] | None = None,
 ) -> tuple[list[int], DecodeStats]:
     """Greedy answer to question_ids from a memory.  graphs: run single-token steps through GraphedStep (one
     captured CUDA graph per step; on the CPU the same static path, eagerly) when the memory supports it;
     None = on CUDA.  compile_layers: those steps' decoder layers run torch.compile'd (GraphedStep).  question: the
-    question's text, for memories that rank what to read by it (sekv's lexical evidence)."""
+    question's text, for memories that rank what to read by it (sekv's lexical evidence).  sampler: logits -> next
+    token (sekv_core/sampling.py); None = greedy."""
     device = next(model.parameters()).device
     if graphs is None:
         graphs = device.type == "cuda"
@@ -80,7 +82,8 @@ def generate(
             hidden = runtime.forward_hidden(model, ids, memory.n_tokens(), memory)
             memory.end_step()
         with torch.inference_mode():
-            nxt = int(head(hidden[:, -1]).argmax(-1).item())
+            logits = head(hidden[:, -1])
+            nxt = int(logits.argmax(-1).item()) if sampler is None else sampler(logits[0])
         peak = max(peak, memory.step_stats().resident_bytes)
         if on_step:
             on_step(memory)

@@ -12,6 +12,7 @@ from .errors import SekvError
 from .generate import DecodeStats, TextStream, generate
 from .methods.base import KVMemory, ModelShape
 from .pack import Pack, check_model, read_pack
+from .sampling import Sampler, Sampling
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Session:
         max_new_tokens: int = 256,
         on_text: Callable[[str], None] | None = None,
         on_step: Callable[[KVMemory], None] | None = None,
+        sampling: Sampling | None = None,
     ) -> Answer:
         question = question.strip()
         if not question:
@@ -78,6 +80,7 @@ class Session:
             ids, stats = generate(
                 self.lm.model, self.memory, q_ids, max_new_tokens=max_new_tokens, stop_ids=self.stop_ids, on_token=stream, on_step=on_step,
                 compile_layers=self.compile_layers and next(self.lm.model.parameters()).device.type == "cuda", question=question,
+                sampler=Sampler(sampling) if sampling is not None and not sampling.greedy else None,
             )
         finally:
             self.memory.truncate(self.base_tokens)
