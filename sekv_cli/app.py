@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import sys
 
@@ -13,11 +15,66 @@ import typer
 
 app = typer.Typer(
     name="sekv",
-    help="Ask questions about long documents from reloadable context packs (SeKV resolution-adaptive KV cache).",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion [bash|zsh|fish|powershell]
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every command
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from sekv_core import __version__
+
+        print(f"sekv {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="print the version and exit"),
+) -> None:
+    """Ask questions about long documents from reloadable context packs (SeKV resolution-adaptive KV cache)."""
+
+
+def with_verbosity(fn):
+    """Give a command -q/--quiet and -v/--verbose (those it does not declare itself).  -q: nothing on stderr but
+    errors (a command without its own quiet silences the shared stderr console); -v: SEKV_DEBUG=1 while it runs
+    (tracebacks on errors), and the command's own verbose output where it has one."""
+    from .common import QuietOpt, VerboseOpt
+    from .display import err
+
+    sig = inspect.signature(fn)
+    own = {name for name in ("quiet", "verbose") if name in sig.parameters}
+    extra = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=bool)
+        for name, opt in (("quiet", QuietOpt), ("verbose", VerboseOpt)) if name not in own
+    ]
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        quiet, verbose = kwargs.get("quiet", False), kwargs.get("verbose", False)
+        for name in ("quiet", "verbose"):
+            if name not in own:
+                kwargs.pop(name, None)
+        was_quiet, was_debug = err.quiet, os.environ.get("SEKV_DEBUG")
+        if quiet and "quiet" not in own:
+            err.quiet = True
+        if verbose:
+            os.environ["SEKV_DEBUG"] = "1"
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            err.quiet = was_quiet
+            if verbose:
+                if was_debug is None:
+                    os.environ.pop("SEKV_DEBUG", None)
+                else:
+                    os.environ["SEKV_DEBUG"] = was_debug
+
+    wrapper.__signature__ = sig.replace(parameters=[*sig.parameters.values(), *extra])
+    wrapper.__annotations__ = {**getattr(fn, "__annotations__", {}), **{p.name: bool for p in extra}}
+    return wrapper
 
 
 def _quiet_libraries() -> None:
@@ -34,17 +91,19 @@ def _quiet_libraries() -> None:
 def _register() -> None:
     from . import cmd_ask, cmd_chat, cmd_ingest, cmd_inspect, cmd_models
 
-    app.command("ingest")(cmd_ingest.ingest)
-    app.command("ask")(cmd_ask.ask)
-    app.command("chat")(cmd_chat.chat)
-    app.command("inspect")(cmd_inspect.inspect)
+    app.command("ingest")(with_verbosity(cmd_ingest.ingest))
+    app.command("ask")(with_verbosity(cmd_ask.ask))
+    app.command("chat")(with_verbosity(cmd_chat.chat))
+    app.command("inspect")(with_verbosity(cmd_inspect.inspect))
+    for info in cmd_models.app.registered_commands:
+        info.callback = with_verbosity(info.callback)
     app.add_typer(cmd_models.app, name="models")
     from . import cmd_bench
 
-    app.command("bench")(cmd_bench.bench)
+    app.command("bench")(with_verbosity(cmd_bench.bench))
     from . import cmd_train
 
-    app.command("train")(cmd_train.train)
+    app.command("train")(with_verbosity(cmd_train.train))
 
 
 _register()

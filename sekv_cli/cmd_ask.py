@@ -1,4 +1,5 @@
-"""`sekv ask PACK "question"`: answer from a context pack, streaming, with memory/zoom stats."""
+"""`sekv ask PACK "question" ...`: answer one or more questions from a context pack (model and pack loaded once),
+streaming, with memory/zoom stats; `--json` prints one JSON object per question (JSON Lines)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from rich.console import Group
 from rich.live import Live
 from rich.text import Text
 
+from sekv_core.api import result_of
+from sekv_core.errors import SekvError
+from sekv_core.sampling import Sampling
 from sekv_core.session import Session
 
-from .common import user_errors, BudgetOpt, CompileOpt, DeviceOpt, MethodOpt, ModelOpt, RouterOpt, RoutingOpt, method_overrides
+from .common import user_errors, BudgetOpt, QuietOpt, VerboseOpt, CompileOpt, DeviceOpt, MethodOpt, ModelOpt, RouterOpt, RoutingOpt, method_overrides
 from .display import err, human_bytes, kv_table, model_progress, out, stats_rows
 from .evidence import evidence_rows
 
@@ -38,37 +42,51 @@ def live_line(memory) -> str:
     return line
 
 
-def answer_payload(session: Session, answer, question: str) -> dict:
-    s = answer.stats.as_dict()
-    extra = s.pop("extra") or {}
-    payload = {
-        "answer": answer.text,
-        "question": question,
-        "pack": str(session.pack.path),
-        "model": session.lm.model_id,
-        "method": session.method,
-        "budget": session.params.get("budget"),
-        "timings": {"load_s": round(session.load_s, 4), "ttft_s": s["ttft_s"], "decode_s": s["decode_s"], "tokens_per_s": s["tokens_per_s"]},
-        "tokens": {"document": session.base_tokens, "question": s["question_tokens"], "generated": s["generated_tokens"], "stop_reason": s["stop_reason"]},
-        "memory": {
-            "resident_kv_bytes_peak": s["resident_kv_bytes_peak"],
-            "full_kv_bytes": s["full_kv_bytes"],
-            "resident_fraction": s["resident_kv_bytes_peak"] / max(s["full_kv_bytes"], 1),
-            "gpu_peak_bytes": s["gpu_peak_bytes"],
-            "rss_bytes": s["rss_bytes"],
-        },
-    }
-    if extra:
-        zoom = {k: v for k, v in extra.items() if k not in ("span_zoom_counts", "span_order")}
-        payload["zoom"] = zoom
-        payload["evidence"] = evidence_rows(session, extra.get("span_zoom_counts") or {}, span_order=extra.get("span_order"))
-    return payload
+def answer_payload(session: Session, answer, question: str, sampling: Sampling | None = None) -> dict:
+    return result_of(session, answer, question, sampling or Sampling()).to_dict()
 
 
-def run_question(session: Session, question: str, max_new_tokens: int, as_json: bool, show_evidence: bool, history=()) -> object:
+TemperatureOpt = typer.Option(0.0, "--temperature", help="sampling temperature; 0 (default) decodes greedily")
+TopPOpt = typer.Option(1.0, "--top-p", help="sample only from the most likely tokens whose probability reaches this (with --temperature > 0)")
+SeedOpt = typer.Option(None, "--seed", help="seed for sampling: the same seed gives the same answer (default: a fresh one, shown in the stats)")
+
+
+def sampling_row(sampling: Sampling) -> tuple[str, str]:
+    return ("sampling", f"temperature {sampling.temperature:g}, top-p {sampling.top_p:g}, seed {sampling.seed}")
+
+
+def read_questions(positional: list[str] | None, path: Path | None) -> list[str]:
+    """The questions given as arguments, then those of --questions FILE (one per line, blank lines skipped)."""
+    questions = list(positional or [])
+    if path is not None:
+        try:
+            text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise SekvError(f"{path}: no such questions file") from None
+        except IsADirectoryError:
+            raise SekvError(f"{path}: is a directory; --questions takes a text file with one question per line") from None
+        except UnicodeDecodeError:
+            raise SekvError(f"{path}: not UTF-8 text; --questions takes a text file with one question per line") from None
+        except OSError as e:
+            raise SekvError(f"{path}: cannot read it ({e.strerror})") from None
+        questions += [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if not questions:
+        raise SekvError("no question: give one or more after PACK, or --questions FILE (one per line)")
+    for q in questions:
+        if not q.strip():
+            raise SekvError("a question is empty")
+    return questions
+
+
+def run_question(
+    session: Session, question: str, max_new_tokens: int, as_json: bool, show_evidence: bool, history=(),
+    sampling: Sampling | None = None, quiet: bool = False,
+) -> object:
+    sampling = (sampling or Sampling()).resolved()
     if as_json:
-        answer = session.ask(question, history=history, max_new_tokens=max_new_tokens)
-        sys.stdout.write(json.dumps(answer_payload(session, answer, question)) + "\n")
+        answer = session.ask(question, history=history, max_new_tokens=max_new_tokens, sampling=sampling)
+        sys.stdout.write(json.dumps(answer_payload(session, answer, question, sampling)) + "\n")
+        sys.stdout.flush()
         return answer
     if out.is_terminal:
         text = Text()
@@ -78,7 +96,7 @@ def run_question(session: Session, question: str, max_new_tokens: int, as_json: 
             def on_step(memory):
                 status.plain = live_line(memory)
 
-            answer = session.ask(question, history=history, max_new_tokens=max_new_tokens, on_text=text.append, on_step=on_step)
+            answer = session.ask(question, history=history, max_new_tokens=max_new_tokens, on_text=text.append, on_step=on_step, sampling=sampling)
             status.plain = ""
             live.update(Group(text))
     else:
@@ -87,9 +105,12 @@ def run_question(session: Session, question: str, max_new_tokens: int, as_json: 
             sys.stdout.write(piece)
             sys.stdout.flush()
 
-        answer = session.ask(question, history=history, max_new_tokens=max_new_tokens, on_text=emit)
+        answer = session.ask(question, history=history, max_new_tokens=max_new_tokens, on_text=emit, sampling=sampling)
         sys.stdout.write("\n")
-    err.print(kv_table("", stats_rows(answer.stats.as_dict(), session.method, session.params.get("budget"))))
+    if quiet:
+        return answer
+    rows = stats_rows(answer.stats.as_dict(), session.method, session.params.get("budget"))
+    err.print(kv_table("", rows + ([sampling_row(sampling)] if not sampling.greedy else [])))
     if show_evidence:
         extra = answer.stats.extra or {}
         rows = evidence_rows(session, extra.get("span_zoom_counts") or {}, span_order=extra.get("span_order"))
@@ -103,10 +124,14 @@ def run_question(session: Session, question: str, max_new_tokens: int, as_json: 
 @user_errors
 def ask(
     pack: Path = typer.Argument(..., help="a context pack made by `sekv ingest`"),
-    question: str = typer.Argument(..., help="the question"),
+    questions: list[str] = typer.Argument(None, help="one or more questions, each answered from the pack alone", show_default=False),
+    questions_file: Path = typer.Option(None, "--questions", help="a text file with one question per line ('-': stdin), after any given as arguments"),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", min=1, help="longest answer in tokens"),
-    as_json: bool = typer.Option(False, "--json", help="print exactly one JSON object on stdout"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object per question on stdout (JSON Lines) and nothing else"),
     show_evidence: bool = typer.Option(False, "--show-evidence", help="print the most zoomed passages after the answer"),
+    temperature: float = TemperatureOpt,
+    top_p: float = TopPOpt,
+    seed: int = SeedOpt,
     method: str = MethodOpt,
     budget: float = BudgetOpt,
     router: str = RouterOpt,
@@ -114,8 +139,21 @@ def ask(
     model: str = ModelOpt,
     device: str = DeviceOpt,
     compile_layers: bool = CompileOpt,
+    quiet: bool = QuietOpt,
+    verbose: bool = VerboseOpt,
 ) -> None:
-    """Answer QUESTION from PACK without re-reading the document."""
-    session = open_session(pack, model, method, budget, device, quiet=as_json, router=router, routing=routing)
+    """Answer each QUESTION from PACK without re-reading the document (the model and the pack load once)."""
+    sampling = Sampling(temperature, top_p, seed)
+    todo = read_questions(questions, questions_file)
+    quiet = quiet or as_json
+    session = open_session(pack, model, method, budget, device, quiet=quiet, router=router, routing=routing)
     session.compile_layers = compile_layers
-    run_question(session, question, max_new_tokens, as_json, show_evidence)
+    if verbose and not quiet:
+        err.print(Text(f"{session.pack.path}: {session.base_tokens} tokens, method {session.method}, model {session.lm.model_id}, "
+                       f"opened in {session.load_s:.1f} s; {len(todo)} question(s)"))
+    for i, question in enumerate(todo):
+        if len(todo) > 1 and not as_json:
+            if i:
+                out.print()
+            out.print(Text(f"Q: {question}", style="bold"))
+        run_question(session, question, max_new_tokens, as_json, show_evidence, sampling=sampling, quiet=quiet)

@@ -30,6 +30,10 @@ RoutingOpt = typer.Option(
 )
 
 
+QuietOpt = typer.Option(False, "--quiet", "-q", help="nothing on stderr but errors (no progress, banners or statistics)")
+VerboseOpt = typer.Option(False, "--verbose", "-v", help="more detail on stderr, and a traceback with any error (as SEKV_DEBUG=1)")
+
+
 def method_overrides(budget: float | None, router: str | None = None, routing: str | None = None) -> dict:
     out = {"budget": budget} if budget is not None else {}
     if router is not None:
