@@ -111,10 +111,10 @@ def _unit_scale(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """a [B, m, n] -> (a / s, s [B, 1, 1]): every matrix scaled to max-abs 1 (all-zero ones by 1).
 
     Non-finite entries (a broken activation) count as 0, so every later step sees finite numbers."""
-    a = torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0)
+    a = torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0)  # a new tensor: scaled in place below (one copy of a)
     s = a.abs().amax(dim=(-2, -1), keepdim=True) if a.numel() else a.new_ones(a.shape[0], 1, 1)
     s = torch.where(s > 0, s, torch.ones_like(s))
-    return a / s, s
+    return a.div_(s), s
 
 
 def _host_eigh(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
