@@ -207,3 +207,181 @@ def test_no_spans_packs_empty_factors():
     for int8 in (True, False):
         f = fzm.factorize(x, torch.zeros(0, dtype=torch.long), energy=0.99, int8=int8)
         assert f.rank.shape == (2, 0) and f.us.numel() == 0 and f.vt.numel() == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# factorisation that cannot fail: blocks real keys and values produce (all zero, rank-deficient, repeated singular
+# values, norms far from 1, huge and tiny entries mixed) against a float64 SVD of the same block
+
+
+#: singular values from the eigenvalues of a float32 Gram (the CUDA path) are accurate to about sqrt(eps) * |x|: a
+#: rank-deficient block shows spurious components of that size (their reconstructions stay at eps * |x|)
+SIGMA_F32_GRAM = 1e-3
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+def _hard_blocks(n: int, d: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Named [n, d] float32 blocks, each of rank <= 16 unless its name says otherwise."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    low = rnd(n, 6) @ rnd(6, d)
+    q1, _ = torch.linalg.qr(rnd(n, n))
+    q2, _ = torch.linalg.qr(rnd(d, d))
+    r8, r12 = min(8, n), min(12, n)
+    rep = q1[:, :r8] @ q2[:, :r8].T * 3.0  # eight equal singular values
+    steps = q1[:, :r12] @ torch.diag(torch.tensor(([5.0] * 4 + [2.0] * 4 + [1.0] * 4)[:r12], dtype=torch.float64)) @ q2[:, :r12].T
+    outlier = low * 1e-3
+    outlier[:, 3] = 1e6 * rnd(n)  # one outlier dimension, as pre-RoPE keys have
+    rowmix = low.clone()
+    rowmix[: n // 2] *= 1e18
+    rowmix[n // 2 :] *= 1e-18
+    blocks = {
+        "zero": torch.zeros(n, d, dtype=torch.float64),
+        "rank1": rnd(n, 1) @ rnd(1, d),
+        "same_rows": rnd(1, d).expand(n, d).clone(),
+        "repeated_sigma": rep,
+        "repeated_steps": steps,
+        "huge": low * 1e30,
+        "tiny": low * 1e-30,
+        "subnormal": low * 1e-40,  # float32 subnormals
+        "outlier_dim": outlier,
+        "huge_tiny_rows": rowmix,
+        "full_rank_equal_sigma": q1[:, :d] @ q2.T if n >= d else q1 @ q2[:, :n].T,  # rank min(n, d), every sigma 1
+    }
+    return {k: v.float() for k, v in blocks.items()}
+
+
+def _assert_near_optimal(name, x, us, sigma, vt, ranks, rel: float = 1e-5, sigma_rel: float = 1e-5):
+    """For each r in ranks, the rank-r reconstruction from the factors is within the optimal rank-r error (float64
+    SVD of x on the host) plus rel * ||x||; the singular values agree to sigma_rel * ||x||."""
+    xd = x.double().cpu()
+    us, sigma, vt = us.double().cpu(), sigma.double().cpu(), vt.double().cpu()
+    assert torch.isfinite(us).all() and torch.isfinite(sigma).all() and torch.isfinite(vt).all(), name
+    ref = torch.linalg.svd(xd).S
+    norm = float(xd.norm())
+    k = sigma.numel()
+    assert torch.all(sigma[:-1] >= sigma[1:] - sigma_rel * norm), f"{name}: sigma not descending"
+    assert float((sigma - ref[:k]).abs().max()) <= sigma_rel * norm + 1e-300, f"{name}: sigma {sigma[:4]} vs {ref[:4]}"
+    for r in ranks:
+        r = min(r, k)
+        err = float((xd - us[:, :r] @ vt[:r]).norm())
+        opt = float(ref[r:].pow(2).sum().sqrt())
+        assert err <= opt * (1 + 1e-3) + rel * norm + 1e-300, f"{name}: rank {r} error {err:.3e}, optimum {opt:.3e}, |x| {norm:.3e}"
+
+
+@pytest.mark.parametrize("method", ["gram", "svd"])
+def test_hard_blocks_factorise_near_optimally(method):
+    """The exact paths (CPU): every hard block in one batch, each at its own scale."""
+    blocks = _hard_blocks(48, 64)
+    a = torch.stack(list(blocks.values()))
+    us, sigma, vt = fz._decompose(a, method)
+    for j, (name, x) in enumerate(blocks.items()):
+        _assert_near_optimal(f"{method}/{name}", x, us[j], sigma[j], vt[j], ranks=(1, 4, 8, 16, 48))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("exact_orth", [True, False])
+def test_hard_blocks_subspace_path(monkeypatch, device, exact_orth):
+    """The CUDA path (float32 subspace iteration, forced here on the CPU too) on the same hard blocks: the leading 32
+    components as good as the SVD's, with both orthonormalisations (Cholesky QR also on rank-deficient blocks,
+    which real spans of >= 32 rows can be)."""
+    monkeypatch.setattr(fz, "_subspace_path", lambda a, method, want: True)
+    for n in (48, 128):
+        blocks = _hard_blocks(n, 64, seed=n)
+        a = torch.stack(list(blocks.values())).to(device)
+        us, sigma, vt = fz._decompose(a, "gram", want=32, rows_at_least_want=not exact_orth)
+        assert us.shape == (len(blocks), n, 32) and vt.shape == (len(blocks), 32, 64)
+        for j, (name, x) in enumerate(blocks.items()):
+            _assert_near_optimal(f"{n}/{name}", x, us[j], sigma[j], vt[j], ranks=(1, 4, 8, 16, 32), sigma_rel=SIGMA_F32_GRAM)
+
+
+def _fail_eigh_on_float32(real):
+    def eigh(c, *args, **kwargs):
+        if c.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("linalg.eigh: (Batch element 0): The algorithm failed to converge (injected)")
+        return real(c, *args, **kwargs)
+
+    return eigh
+
+
+def _fail_cholesky(real):
+    def cholesky_ex(c, *args, **kwargs):
+        ch, info = real(c, *args, **kwargs)
+        bad = torch.arange(c.shape[0], device=c.device) % 2 == 0  # every other matrix "fails", its factor is garbage
+        return torch.where(bad.view(-1, 1, 1), torch.full_like(ch, float("nan")), ch), torch.where(bad, torch.ones_like(info), info)
+
+    return cholesky_ex
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fault", ["eigh", "cholesky"])
+def test_solver_failures_fall_back(monkeypatch, device, fault):
+    """An eigensolver that raises (cuSOLVER's Jacobi on a hard batch) or a Cholesky that reports failure for some
+    matrices: the factors are still right (host LAPACK / Householder QR take over), no exception."""
+    if fault == "eigh":
+        monkeypatch.setattr(torch.linalg, "eigh", _fail_eigh_on_float32(torch.linalg.eigh))
+    else:
+        monkeypatch.setattr(torch.linalg, "cholesky_ex", _fail_cholesky(torch.linalg.cholesky_ex))
+    monkeypatch.setattr(fz, "_subspace_path", lambda a, method, want: True)
+    blocks = _hard_blocks(64, 128, seed=11)
+    a = torch.stack(list(blocks.values())).to(device)
+    for exact_orth in (True, False):
+        us, sigma, vt = fz._decompose(a, "gram", want=32, rows_at_least_want=not exact_orth)
+        for j, (name, x) in enumerate(blocks.items()):
+            _assert_near_optimal(f"{fault}/{name}", x, us[j], sigma[j], vt[j], ranks=(1, 8, 32), sigma_rel=SIGMA_F32_GRAM)
+
+
+def test_host_eigh_last_resort_is_an_orthonormal_basis(monkeypatch):
+    """Even if LAPACK raised too, the answer is an orthonormal basis (the matrix's own axes), not an exception."""
+    real = torch.linalg.eigh
+
+    def never(c, *args, **kwargs):
+        raise torch.linalg.LinAlgError("injected")
+
+    monkeypatch.setattr(torch.linalg, "eigh", never)
+    c = torch.diag(torch.tensor([3.0, 1.0, 2.0])).expand(2, 3, 3)
+    w, v = fz._eigh(c)
+    assert torch.equal(w, torch.tensor([[1.0, 2.0, 3.0]] * 2))
+    assert torch.allclose(v @ torch.diag_embed(w) @ v.transpose(1, 2), c)
+    monkeypatch.setattr(torch.linalg, "eigh", real)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_blocks_give_finite_factors(device, monkeypatch):
+    """NaN / inf entries (a broken activation) never raise: the factors are finite, the finite blocks beside them exact."""
+    g = torch.Generator().manual_seed(2)
+    good = (torch.randn(48, 4, generator=g) @ torch.randn(4, 64, generator=g))
+    bad = good.clone()
+    bad[3, 5], bad[7, 1], bad[9, 9] = float("nan"), float("inf"), float("-inf")
+    a = torch.stack([good, bad]).to(device)
+    for forced in (False, True):
+        if forced:
+            monkeypatch.setattr(fz, "_subspace_path", lambda a, method, want: True)
+        for method in ("gram", "svd"):
+            us, sigma, vt = fz._decompose(a, method, want=32)
+            assert all(bool(torch.isfinite(t).all()) for t in (us, sigma, vt))
+            _assert_near_optimal("good", good, us[0], sigma[0], vt[0], ranks=(4, 32), sigma_rel=SIGMA_F32_GRAM)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_factorize_layer_of_hard_spans(device):
+    """A whole layer through factorize() (on CUDA: the subspace path) whose spans are the hard blocks, short spans
+    among them: every span reconstructs to float32 accuracy relative to its own norm."""
+    hkv, d = 2, 64
+    spans = []
+    for seed, n in enumerate((40, 5, 64, 17, 33)):
+        for name, x in _hard_blocks(n, d, seed=seed).items():
+            if name != "full_rank_equal_sigma":  # rank <= 16: rank_max 32 keeps all of it
+                spans.append(x)
+    lens = torch.tensor([s.shape[0] for s in spans])
+    x = torch.stack([torch.cat(spans), torch.cat(spans) * -1.0])
+    f = fz.factorize(x.to(device), lens, energy=1.0 - 1e-12, rank_max=32, dtype=torch.float32)
+    f = fz.Factors(f.us.cpu(), f.vt.cpu(), f.rank.cpu())
+    y = fz.reconstruct_all(f, lens, d)
+    first = torch.cumsum(lens, 0) - lens
+    for h in range(hkv):
+        for i, n in enumerate(lens.tolist()):
+            xs, ys = x[h, first[i] : first[i] + n].double(), y[h, first[i] : first[i] + n].double()
+            assert torch.isfinite(ys).all()
+            assert float((xs - ys).norm()) <= 1e-5 * float(xs.norm()) + 1e-300, (h, i, n)

@@ -1,0 +1,243 @@
+"""Run the `sekv` CLI unchanged in this process, with timers around its stages (benchmarks/gpu_cli.py's child).
+
+    python -m benchmarks.cli_probe ask PACK "question" --json ...     (any `sekv` arguments)
+
+The CLI's own code runs as `sekv` would run it; the probe only wraps functions it calls (model load and its
+parts, pack read and its sha256, the method's open, the scout pass, CUDA-graph captures, each ask) with wall-clock
+timers, synchronising CUDA at their ends, and writes one JSON record to $SEKV_PROBE_OUT when the CLI exits:
+
+  startup_s   process start (the parent's clock, $SEKV_PROBE_T0) to this module running: interpreter start-up
+  import_s    importing the CLI (torch, transformers, sekv)
+  cuda_init_s with $SEKV_PROBE_CUDA_INIT=1, CUDA's context made up front (else it lands in the first CUDA use)
+  probe_install_s  wrapping the stages, which imports transformers' Auto classes first: in a plain `sekv` run
+              that import happens inside the model load, so load + probe_install_s is what a user waits for
+  phases      {name: {"s": total seconds, "n": calls}} of the wrapped functions
+  asks        one entry per question: wall seconds, the answer's DecodeStats, captures during it
+  gpu         weights' bytes, peak allocated / reserved at exit
+
+$SEKV_PROBE_PROFILE=PATH: the whole CLI under cProfile (PATH.prof, and PATH.txt: the top functions by
+cumulative time).  $SEKV_PROBE_TORCH=PATH: each ask under torch.profiler (PATH.txt: operators by CUDA and by CPU
+time).  Timers synchronise the device, so a probed run is a little slower than a plain one; gpu_cli.py can run
+both.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+
+T_ENTRY = time.time()
+PHASES: dict[str, dict[str, float]] = {}
+ASKS: list[dict] = []
+RECORD: dict = {"argv": sys.argv[1:]}
+
+
+def _sync() -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _add(name: str, dt: float) -> None:
+    p = PHASES.setdefault(name, {"s": 0.0, "n": 0})
+    p["s"] += dt
+    p["n"] += 1
+
+
+def wrap(owner, attr: str, name: str, after=None) -> None:
+    """Replace owner.attr by a timed version (a missing attribute is skipped: the code may have moved)."""
+    fn = getattr(owner, attr, None)
+    if fn is None:
+        RECORD.setdefault("not_wrapped", []).append(name)
+        return
+    # a bound classmethod stays bound (a plain function on the class is not re-bound); a plain function is
+    # re-bound as a method as before
+
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            out = fn(*args, **kwargs)
+            _sync()
+        finally:
+            _add(name, time.perf_counter() - t)
+        if after is not None:
+            after(out)
+        return out
+
+    setattr(owner, attr, timed)
+    # names bound by `from module import fn` (sekv_cli.cmd_ingest's run_ingest, ...) point at the original: rebind
+    if not isinstance(owner, type):
+        for mod in list(sys.modules.values()):
+            if getattr(mod, "__name__", "").startswith(("sekv_cli", "sekv_core")):
+                for k, v in list(vars(mod).items()):
+                    if v is fn:
+                        setattr(mod, k, timed)
+
+
+def _install() -> None:
+    import sekv_core.graphed_step as gs
+    import sekv_core.ingest as ing
+    import sekv_core.models as models
+    import sekv_core.pack as pack
+    import sekv_core.session as session
+    import transformers
+
+    wrap(models, "load", "model_load")
+    wrap(models, "resolve", "model_load.resolve")
+    wrap(models, "_weights_fingerprint", "model_load.weights_fingerprint")
+    wrap(models, "tokenizer_fingerprint", "model_load.tokenizer_fingerprint")
+    wrap(transformers.AutoTokenizer, "from_pretrained", "model_load.tokenizer")
+    wrap(transformers.AutoModelForCausalLM, "from_pretrained", "model_load.from_pretrained")
+    wrap(session, "read_pack", "pack_read")
+    wrap(pack, "_hash_from", "pack_read.sha256")
+    wrap(session, "check_model", "check_model")
+    wrap(gs.GraphedStep, "_eager_then_capture", "graph_capture")
+
+    def note_ingest(r) -> None:
+        RECORD["ingest"] = {k: getattr(r, k) for k in ("n_tokens", "prefill_s", "compress_s", "pack_bytes", "raw_kv_fp16_bytes") if hasattr(r, k)}
+
+    wrap(ing, "ingest", "ingest", after=note_ingest)
+
+    open_raw = session.Session.open.__func__
+
+    def open_timed(cls, *args, **kwargs):
+        t = time.perf_counter()
+        s = open_raw(cls, *args, **kwargs)
+        _sync()
+        _add("session_open", time.perf_counter() - t)
+        RECORD["session_load_s"] = s.load_s
+        mem = s.memory
+        if hasattr(mem, "prepare_question"):
+            prep = mem.prepare_question
+
+            def scout(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return prep(*a, **k)
+                finally:
+                    _sync()
+                    _add("scout", time.perf_counter() - t0)
+
+            mem.prepare_question = scout
+        params = sum(p.numel() * p.element_size() for p in s.lm.model.parameters())
+        RECORD.setdefault("gpu", {})["weights_bytes"] = params
+        return s
+
+    session.Session.open = classmethod(open_timed)
+    ask_raw = session.Session.ask
+    torch_prof = os.environ.get("SEKV_PROBE_TORCH")
+
+    def ask_timed(self, question, **kwargs):
+        caps0 = PHASES.get("graph_capture", {}).get("n", 0)
+        scout0 = PHASES.get("scout", {}).get("s", 0.0)
+        t = time.perf_counter()
+        if torch_prof:
+            import torch.profiler as tp
+
+            acts = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if _cuda() else [])
+            with tp.profile(activities=acts) as prof:
+                ans = ask_raw(self, question, **kwargs)
+            with open(f"{torch_prof}.{len(ASKS)}.txt", "w") as f:
+                ka = prof.key_averages()
+                if _cuda():
+                    f.write(ka.table(sort_by="cuda_time_total", row_limit=40) + "\n")
+                f.write(ka.table(sort_by="cpu_time_total", row_limit=40) + "\n")
+        else:
+            ans = ask_raw(self, question, **kwargs)
+        wall = time.perf_counter() - t
+        st = ans.stats.as_dict()
+        extra = st.pop("extra", None) or {}
+        ASKS.append(
+            {
+                "question": question,
+                "answer": ans.text,
+                "wall_s": wall,
+                "scout_s": PHASES.get("scout", {}).get("s", 0.0) - scout0,
+                "captures": PHASES.get("graph_capture", {}).get("n", 0) - caps0,
+                "stats": st,
+                "extra": {k: v for k, v in extra.items() if isinstance(v, (int, float, str, bool))},
+            }
+        )
+        return ans
+
+    session.Session.ask = ask_timed
+
+
+def _cuda() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_available()
+
+
+def _write() -> None:
+    out = os.environ.get("SEKV_PROBE_OUT")
+    RECORD["phases"] = PHASES
+    RECORD["asks"] = ASKS
+    RECORD["wall_s"] = time.time() - T_ENTRY
+    if _cuda() and sys.modules["torch"].cuda.is_initialized():
+        torch = sys.modules["torch"]
+        g = RECORD.setdefault("gpu", {})
+        g["max_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
+        g["max_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
+    try:
+        import psutil
+
+        RECORD["rss_bytes_at_exit"] = psutil.Process().memory_info().rss
+    except ImportError:
+        pass
+    if out:
+        with open(out, "w") as f:
+            json.dump(RECORD, f, indent=1, default=str)
+
+
+def main() -> int:
+    t0 = os.environ.get("SEKV_PROBE_T0")
+    if t0:
+        RECORD["startup_s"] = T_ENTRY - float(t0)
+    t = time.perf_counter()
+    import sekv_cli.app as app
+
+    RECORD["import_s"] = time.perf_counter() - t
+    if os.environ.get("SEKV_PROBE_CUDA_INIT") == "1":
+        import torch
+
+        t = time.perf_counter()
+        if torch.cuda.is_available():
+            torch.zeros(1, device="cuda")
+            torch.cuda.synchronize()
+        RECORD["cuda_init_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    _install()  # imports transformers' Auto classes to wrap them: in a plain run that import lands in the model load
+    RECORD["probe_install_s"] = time.perf_counter() - t
+    sys.argv = ["sekv", *sys.argv[1:]]
+    code = 0
+    prof_path = os.environ.get("SEKV_PROBE_PROFILE")
+    prof = None
+    if prof_path:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+    try:
+        app.main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        if prof is not None:
+            import pstats
+
+            prof.disable()
+            prof.dump_stats(f"{prof_path}.prof")
+            with open(f"{prof_path}.txt", "w") as f:
+                pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(60)
+                pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(40)
+        RECORD["exit_code"] = code
+        _write()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

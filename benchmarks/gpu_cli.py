@@ -1,0 +1,328 @@
+"""The product path on a GPU, through the CLI itself: `sekv ingest` to a pack file, then `sekv ask` and a chat.
+
+Each `sekv` command runs as its own process (benchmarks/cli_probe.py runs the CLI unchanged, with timers around
+its stages; --plain runs `python -m sekv_cli.app` bare), so every number includes what a user waits for:
+interpreter start, imports, CUDA start-up, the model's load, the pack's read and checksum, the method's open, the
+scout pass, the first token and the decode.
+
+    # 1. documents: NIAH texts (three "special magic number" needles) from the essay haystack, sized in the model's tokens
+    python -m benchmarks.gpu_cli docs --model qwen2.5-0.5b --lengths 4096,16384,30720 --out bench_out/gpu_cli/docs
+    # 2. (optional) an 8B-shaped random-weight model as a local model directory (the tokenizer of --tokenizer)
+    python -m benchmarks.gpu_cli random-model --shape 8b --out /var/tmp/rand8b --device cuda
+    # 3. ingest + ask + chat for each document and method; one JSON of every number, a table on stdout
+    python -m benchmarks.gpu_cli run --docs bench_out/gpu_cli/docs --model qwen2.5-0.5b --methods full,sekv \\
+        --chat 3 --out bench_out/gpu_cli/result.json
+
+CPU smoke test (minutes): `--model smollm2-135m --lengths 2048 --device cpu`.  On the CPU the GPU columns are 0.
+`found` says whether the answer contains the needle's number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+
+SHAPES = {
+    # Llama-3-8B's transformer (hidden 4096, 32 layers, 32 query / 8 KV heads of 128, MLP 14336) with the
+    # tokenizer's vocabulary; a long RoPE window for 128K documents
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+               rope_theta=500000.0, max_position_embeddings=139264),
+    # a few MB, for testing this script on the CPU
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                 rope_theta=10000.0, max_position_embeddings=32768),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# documents
+
+
+def make_docs(model: str, lengths: list[int], out: Path, haystack: str | None, seed: int, depth: float, keys: int) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    from sekv_core import models
+    from sekv_core.bench import tasks
+
+    _, where = models.resolve(model)
+    tok = AutoTokenizer.from_pretrained(where)
+    essays = tasks.load_haystack(haystack)
+    out.mkdir(parents=True, exist_ok=True)
+    docs = []
+    for n in lengths:
+        ctx = tasks.gen_mk_niah(tok, n, depth, seed, essays, n_keys=keys)
+        path = out / f"niah_{n}.txt"
+        path.write_text(ctx.document)
+        questions = []
+        for needle in ctx.meta["needles"]:  # "The special magic number for KEY is: VALUE."
+            key, value = needle[len("The special magic number for ") : -1].split(" is: ")
+            questions.append({"question": f"What is the special magic number for {key} mentioned in the document? Answer with the number only.",
+                              "expected": value})
+        assert questions[0]["question"] == ctx.probes[0].question  # the task's own probe comes first
+        docs.append({"name": path.stem, "file": path.name, "length": n, "tokens": ctx.n_tokens, "questions": questions})
+    (out / "docs.json").write_text(json.dumps({"model": model, "seed": seed, "depth": depth, "docs": docs}, indent=1))
+    return docs
+
+
+def random_model(shape: str, out: Path, tokenizer: str, device: str, seed: int) -> None:
+    """An untrained Qwen2-architecture model of `shape` saved as a local model directory (bf16 safetensors)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    from sekv_core import models
+
+    _, where = models.resolve(tokenizer)
+    tok = AutoTokenizer.from_pretrained(where)
+    cfg = Qwen2Config(vocab_size=(len(tok) + 127) // 128 * 128, tie_word_embeddings=False, **SHAPES[shape])
+    torch.manual_seed(seed)
+    with torch.device(device):
+        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    m.save_pretrained(out)
+    tok.save_pretrained(out)
+    gen = getattr(m, "generation_config", None)
+    if gen is not None:
+        gen.save_pretrained(out)
+    print(f"saved {sum(p.numel() for p in m.parameters()) / 1e9:.2f}B random parameters to {out}")
+
+
+# ---------------------------------------------------------------------------------------------
+# running the CLI
+
+
+def run_cli(args: list[str], *, probe: bool, env_extra: dict | None = None, stdin: str | None = None) -> dict:
+    """One `sekv` process: -> {rc, wall_s, max_rss_bytes, stdout, stderr_tail, probe}."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(env_extra or {})
+    with tempfile.TemporaryDirectory() as td:
+        probe_out = Path(td) / "probe.json"
+        cmd = [sys.executable, "-m", "benchmarks.cli_probe" if probe else "sekv_cli.app", *args]
+        env["SEKV_PROBE_OUT"] = str(probe_out)
+        so, se = Path(td) / "out", Path(td) / "err"
+        with open(so, "w") as fo, open(se, "w") as fe:
+            env["SEKV_PROBE_T0"] = repr(time.time())
+            t = time.perf_counter()
+            p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fo, stderr=fe, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL, text=True)
+            if stdin is not None:
+                p.stdin.write(stdin)
+                p.stdin.close()
+            _, status, usage = os.wait4(p.pid, 0)
+            wall = time.perf_counter() - t
+        p.returncode = os.waitstatus_to_exitcode(status)
+        rec = {
+            "cmd": ["sekv", *args],
+            "rc": p.returncode,
+            "wall_s": wall,
+            "max_rss_bytes": usage.ru_maxrss * 1024,  # Linux: KiB
+            "stdout": so.read_text(),
+            "stderr_tail": se.read_text()[-3000:],
+        }
+        if probe and probe_out.is_file():
+            rec["probe"] = json.loads(probe_out.read_text())
+    return rec
+
+
+def _found(answer: str, expected: str) -> bool:
+    from sekv_core.bench.scoring import contains
+
+    return contains(answer, expected, whole_word=True)
+
+
+def bench_doc(doc: dict, docs_dir: Path, method: str, a: argparse.Namespace, work: Path) -> dict:
+    common = ["--model", a.model] + (["--device", a.device] if a.device else [])
+    pack = work / f"{doc['name']}.{method}.sekv"
+    pack.unlink(missing_ok=True)
+    rec: dict = {"doc": doc["name"], "length": doc["length"], "tokens": doc["tokens"], "method": method}
+    ing = run_cli(["ingest", str(docs_dir / doc["file"]), "-o", str(pack), "--method", method, "-q", *common], probe=not a.plain)
+    rec["ingest"] = ing
+    if ing["rc"] != 0:
+        return rec
+    rec["pack_bytes"] = pack.stat().st_size
+    q = doc["questions"][0]
+    env = {}
+    if a.profile:
+        prof = Path(a.profile)
+        prof.mkdir(parents=True, exist_ok=True)
+        env = {"SEKV_PROBE_PROFILE": str(prof / f"ask_{doc['name']}_{method}"), "SEKV_PROBE_CUDA_INIT": "1"}
+        if a.torch_profile:
+            env["SEKV_PROBE_TORCH"] = str(prof / f"torch_{doc['name']}_{method}")
+    ask = run_cli(["ask", str(pack), q["question"], "--json", "-n", str(a.max_new_tokens), *common], probe=not a.plain, env_extra=env)
+    if ask["rc"] == 0:
+        lines = [ln for ln in ask["stdout"].splitlines() if ln.startswith("{")]
+        ask["json"] = json.loads(lines[-1]) if lines else None
+        if ask["json"]:
+            ask["found"] = _found(ask["json"]["answer"], q["expected"])
+    rec["ask"] = ask
+    if a.chat > 0:
+        qs = (doc["questions"] * a.chat)[: a.chat]
+        chat = run_cli(["chat", str(pack), "-n", str(a.max_new_tokens), *common], probe=not a.plain, stdin="".join(x["question"] + "\n" for x in qs) + "/quit\n")
+        asks = (chat.get("probe") or {}).get("asks", [])
+        chat["found"] = [_found(x["answer"], qq["expected"]) for x, qq in zip(asks, qs)]
+        rec["chat"] = chat
+    if not a.keep_packs:
+        pack.unlink(missing_ok=True)
+    return rec
+
+
+def _unattributed(p: dict) -> float | None:
+    """Seconds of the probed process outside its import, CUDA start, session open and asks."""
+    if not p:
+        return None
+    asks = sum(a["wall_s"] for a in p.get("asks", []))
+    return p["wall_s"] - p.get("import_s", 0.0) - p.get("cuda_init_s", 0.0) - p["phases"].get("session_open", {}).get("s", 0.0) - asks
+
+
+def summarize(rec: dict) -> dict:
+    """The row of the table: seconds, GiB, tokens/s."""
+    ing, ask = rec.get("ingest", {}), rec.get("ask", {})
+    ip, ap = ing.get("probe") or {}, ask.get("probe") or {}
+    ph = ap.get("phases", {})
+    a0 = (ap.get("asks") or [{}])[0]
+    js = ask.get("json") or {}
+    st = a0.get("stats") or {}
+    gpu = ap.get("gpu", {})
+    g = lambda k: ph.get(k, {}).get("s", 0.0)  # noqa: E731
+    chat_asks = ((rec.get("chat") or {}).get("probe") or {}).get("asks", [])
+    return {
+        "doc": rec["doc"],
+        "tokens": rec["tokens"],
+        "method": rec["method"],
+        "ingest_rc": ing.get("rc"),
+        "ingest_wall_s": ing.get("wall_s"),
+        "prefill_s": (ip.get("ingest") or {}).get("prefill_s"),
+        "compress_s": (ip.get("ingest") or {}).get("compress_s"),
+        "ingest_gpu_peak_gib": (ip.get("gpu") or {}).get("max_allocated_bytes", 0) / GIB,
+        "ingest_rss_gib": ing.get("max_rss_bytes", 0) / GIB,
+        "pack_mib": rec.get("pack_bytes", 0) / (1 << 20),
+        "ask_rc": ask.get("rc"),
+        "ask_wall_s": ask.get("wall_s"),
+        "startup_s": ap.get("startup_s"),
+        "import_s": ap.get("import_s"),
+        # the process's seconds outside the timed stages; most of it is the probe's import of transformers' Auto
+        # classes (probe_install_s, cli_probe.py), which a plain run does inside the model load
+        "other_s": _unattributed(ap),
+        "probe_install_s": ap.get("probe_install_s"),
+        "load_s": g("model_load"),
+        "from_pretrained_s": g("model_load.from_pretrained"),
+        "pack_read_s": g("pack_read"),
+        "sha256_s": g("pack_read.sha256"),
+        "open_s": g("session_open") - g("model_load") - g("pack_read") - g("check_model"),
+        "scout_s": a0.get("scout_s"),
+        "ttft_s": st.get("ttft_s", (js.get("timings") or {}).get("ttft_s")),
+        "tok_per_s": st.get("tokens_per_s", (js.get("timings") or {}).get("tokens_per_s")),
+        "generated": st.get("generated_tokens"),
+        "captures": a0.get("captures"),
+        "capture_s": g("graph_capture"),
+        "ask_gpu_peak_gib": (st.get("gpu_peak_bytes") or 0) / GIB,
+        "weights_gib": gpu.get("weights_bytes", 0) / GIB,
+        "ask_rss_gib": ask.get("max_rss_bytes", 0) / GIB,
+        "found": ask.get("found"),
+        "chat_ttft_s": [round(x["stats"].get("ttft_s") or 0, 3) for x in chat_asks],
+        "chat_tok_per_s": [round(x["stats"].get("tokens_per_s") or 0, 1) for x in chat_asks],
+        "chat_found": (rec.get("chat") or {}).get("found"),
+    }
+
+
+COLS = [
+    ("tokens", "tokens", "{}"), ("method", "method", "{}"), ("ingest_wall_s", "ingest", "{:.1f}"), ("pack_mib", "pack MiB", "{:.1f}"),
+    ("ask_wall_s", "ask", "{:.2f}"), ("import_s", "import", "{:.2f}"), ("other_s", "other", "{:.2f}"), ("load_s", "load", "{:.2f}"), ("pack_read_s", "read", "{:.2f}"),
+    ("sha256_s", "sha256", "{:.2f}"), ("open_s", "open", "{:.2f}"), ("scout_s", "scout", "{:.3f}"), ("ttft_s", "TTFT", "{:.3f}"),
+    ("tok_per_s", "tok/s", "{:.1f}"), ("captures", "capt", "{}"), ("ask_gpu_peak_gib", "GPU GiB", "{:.2f}"),
+    ("weights_gib", "weights", "{:.2f}"), ("ask_rss_gib", "RSS GiB", "{:.2f}"), ("found", "found", "{}"),
+    ("chat_ttft_s", "chat TTFT", "{}"), ("chat_tok_per_s", "chat tok/s", "{}"), ("chat_found", "chat found", "{}"),
+]
+
+
+def table(rows: list[dict]) -> str:
+    def cell(r, k, f):
+        v = r.get(k)
+        return "-" if v is None else f.format(v)
+
+    head = [c[1] for c in COLS]
+    body = [[cell(r, k, f) for k, _, f in COLS] for r in rows]
+    w = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    line = lambda cs: "  ".join(c.rjust(w[i]) for i, c in enumerate(cs))  # noqa: E731
+    return "\n".join([line(head)] + [line(b) for b in body])
+
+
+def run(a: argparse.Namespace) -> list[dict]:
+    docs_dir = Path(a.docs)
+    spec = json.loads((docs_dir / "docs.json").read_text())
+    docs = [d for d in spec["docs"] if not a.lengths or d["length"] in a.lengths]
+    work = Path(a.workdir) if a.workdir else docs_dir / "packs"
+    work.mkdir(parents=True, exist_ok=True)
+    out = Path(a.out) if a.out else None
+    results = []
+    for doc in docs:
+        for method in a.methods:
+            rec = bench_doc(doc, docs_dir, method, a, work)
+            results.append(rec)
+            row = summarize(rec)
+            print(json.dumps({k: row[k] for k in ("doc", "method", "ingest_rc", "ask_rc", "ingest_wall_s", "ask_wall_s", "ttft_s", "tok_per_s", "found")}), flush=True)
+            for part in ("ingest", "ask", "chat"):
+                if rec.get(part, {}).get("rc") not in (0, None):
+                    print(f"{part} failed (rc {rec[part]['rc']}):\n{rec[part]['stderr_tail']}", flush=True)
+            if out:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps({"model": a.model, "device": a.device, "rows": [summarize(r) for r in results], "runs": results}, indent=1, default=str))
+    print(table([summarize(r) for r in results]))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu_cli", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    d = sub.add_parser("docs", help="write the NIAH documents and docs.json")
+    d.add_argument("--model", default="qwen2.5-0.5b", help="whose tokenizer sizes the documents")
+    d.add_argument("--lengths", type=ints, default=[4096, 16384, 30720])
+    d.add_argument("--out", required=True)
+    d.add_argument("--haystack", default=None, help="a folder of .txt essays (default: $SEKV_HAYSTACK or ../shared/data/haystack/pg_essays)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--depth", type=float, default=50.0, help="percent depth of the first (the `ask`) needle")
+    d.add_argument("--keys", type=int, default=3, help="needles per document (the chat asks each)")
+    m = sub.add_parser("random-model", help="save an untrained model of a given shape as a local model directory")
+    m.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    m.add_argument("--out", required=True)
+    m.add_argument("--tokenizer", default="qwen2.5-0.5b")
+    m.add_argument("--device", default="cpu", help="where the random weights are drawn (cuda: seconds for 8B)")
+    m.add_argument("--seed", type=int, default=0)
+    r = sub.add_parser("run", help="ingest + ask (+ chat) through the CLI for every document and method")
+    r.add_argument("--docs", required=True, help="a folder written by `docs`")
+    r.add_argument("--model", default="qwen2.5-0.5b", help="embedded model name or a local model directory")
+    r.add_argument("--methods", type=lambda s: s.split(","), default=["full", "sekv"])
+    r.add_argument("--lengths", type=ints, default=None, help="only these documents (default: all in docs.json)")
+    r.add_argument("--device", default=None)
+    r.add_argument("--max-new-tokens", type=int, default=24)
+    r.add_argument("--chat", type=int, default=0, help="questions in one `sekv chat` session per pack (0: no chat)")
+    r.add_argument("--plain", action="store_true", help="run `python -m sekv_cli.app` without the probe (no stage timers)")
+    r.add_argument("--profile", default=None, help="folder for cProfile dumps of each ask (CUDA context made up front)")
+    r.add_argument("--torch-profile", action="store_true", help="with --profile: also torch.profiler tables of each ask")
+    r.add_argument("--workdir", default=None, help="where packs are written (default: DOCS/packs)")
+    r.add_argument("--keep-packs", action="store_true")
+    r.add_argument("--out", default=None, help="JSON with every number")
+    a = ap.parse_args(argv)
+    if a.cmd == "docs":
+        docs = make_docs(a.model, a.lengths, Path(a.out), a.haystack, a.seed, a.depth, a.keys)
+        for doc in docs:
+            print(f"{doc['file']}: {doc['tokens']} tokens, {len(doc['questions'])} needles")
+    elif a.cmd == "random-model":
+        random_model(a.shape, Path(a.out), a.tokenizer, a.device, a.seed)
+    else:
+        results = run(a)
+        return 0 if all(r.get("ask", {}).get("rc") == 0 for r in results) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
