@@ -14,7 +14,7 @@ from rich.text import Text
 from sekv_core.session import Session
 
 from .common import user_errors, BudgetOpt, CompileOpt, DeviceOpt, MethodOpt, ModelOpt, RouterOpt, RoutingOpt, method_overrides
-from .display import err, human_bytes, kv_table, model_progress, out, stats_rows
+from .display import err, human_bytes, kv_table, model_progress, out, safe, stats_rows
 from .evidence import evidence_rows
 
 
@@ -78,13 +78,13 @@ def run_question(session: Session, question: str, max_new_tokens: int, as_json: 
             def on_step(memory):
                 status.plain = live_line(memory)
 
-            answer = session.ask(question, history=history, max_new_tokens=max_new_tokens, on_text=text.append, on_step=on_step)
+            answer = session.ask(question, history=history, max_new_tokens=max_new_tokens, on_text=lambda piece: text.append(safe(piece)), on_step=on_step)
             status.plain = ""
             live.update(Group(text))
     else:
 
         def emit(piece: str) -> None:
-            sys.stdout.write(piece)
+            sys.stdout.write(safe(piece))
             sys.stdout.flush()
 
         answer = session.ask(question, history=history, max_new_tokens=max_new_tokens, on_text=emit)
@@ -94,9 +94,9 @@ def run_question(session: Session, question: str, max_new_tokens: int, as_json: 
         extra = answer.stats.extra or {}
         rows = evidence_rows(session, extra.get("span_zoom_counts") or {}, span_order=extra.get("span_order"))
         if not rows:
-            err.print("[dim]no zoomed passages (this method does not zoom, or nothing was expanded)[/]")
+            err.print(Text("no zoomed passages (this method does not zoom, or nothing was expanded)", style="dim"))
         for r in rows[:5]:
-            err.print(f"[bold]page {r['page']}[/] [dim](zoomed {r['zoom_count']}x)[/] {r['text']}")
+            err.print(Text.assemble((f"page {r['page']}", "bold"), " ", (f"(zoomed {r['zoom_count']}x)", "dim"), " ", safe(r["text"])))
     return answer
 
 

@@ -11,7 +11,8 @@ from sekv_core.prompt import Turn
 
 from .cmd_ask import open_session, run_question
 from .common import user_errors, BudgetOpt, CompileOpt, DeviceOpt, MethodOpt, ModelOpt, RouterOpt, RoutingOpt
-from .display import err, kv_table, stats_rows
+from .display import err, kv_table, safe_line, stats_rows
+from rich.text import Text
 
 HELP = """commands:
   /help            this text
@@ -39,7 +40,7 @@ def chat(
     session = open_session(pack, model, method, budget, device, quiet=False, router=router, routing=routing)
     session.compile_layers = compile_layers
     doc = session.pack.manifest["document"]["name"]
-    err.print(f"[bold]{doc}[/] ({session.base_tokens} tokens, method {session.method}). /help for commands, Ctrl-D to quit.")
+    err.print(Text.assemble((safe_line(doc), "bold"), f" ({session.base_tokens} tokens, method {session.method}). /help for commands, Ctrl-D to quit."))
     turns: list[Turn] = []
     last = None
     while True:
@@ -65,15 +66,15 @@ def chat(
                 turns.clear()
                 err.print("history cleared")
             else:
-                err.print(f"unknown command {line!r}; /help lists them")
+                err.print(f"unknown command {safe_line(repr(line))}; /help lists them")
             continue
         try:
             last = run_question(session, line, max_new_tokens, False, show_evidence, history=turns if history else ())
         except KeyboardInterrupt:
-            err.print("[dim][answer interrupted][/]")
+            err.print(Text("[answer interrupted]", style="dim"))
             continue
         except SekvError as e:
-            err.print(f"[red]error:[/] {e}")
+            err.print(Text.assemble(("error:", "red"), " ", safe_line(str(e))))
             continue
         if history:
             turns.append(Turn(line, last.text))

@@ -64,6 +64,11 @@ class FullMethod(CacheMethod):
             out[f"full.v.{i}"] = v.contiguous()
         return out
 
+    def tensor_specs(self, params, shape: ModelShape, n_tokens: int) -> list:
+        from ..pack import FLOATS, TensorSpec
+
+        return [TensorSpec(f"full.{kv}.{{l}}", FLOATS, ("Hkv", "N", "d"), finite=True) for kv in "kv"]
+
     def open(self, store: TensorStore, params, shape: ModelShape, device) -> KVMemory:
         keys = [store.get(f"full.k.{i}") for i in range(shape.n_layers)]
         values = [store.get(f"full.v.{i}") for i in range(shape.n_layers)]

@@ -275,6 +275,14 @@ class EvictionMethod(CacheMethod):
             out[f"{self.name}.idx.{i}"] = ix.to(torch.int32).cpu().contiguous()
         return out
 
+    def tensor_specs(self, params, shape: ModelShape, n_tokens: int) -> list:
+        from ..pack import FLOATS, TensorSpec
+
+        p = self.name
+        return [TensorSpec(f"{p}.n_doc", ("int64",), (1,), values=(n_tokens, n_tokens)),
+                TensorSpec(f"{p}.idx.{{l}}", ("int64",), ("Hkv", "K{l}"), values=(0, n_tokens - 1)),
+                *(TensorSpec(f"{p}.{kv}.{{l}}", FLOATS, ("Hkv", "K{l}", "d"), finite=True) for kv in "kv")]
+
     def open(self, store: TensorStore, params, shape: ModelShape, device) -> KVMemory:
         keys = [store.get(f"{self.name}.k.{i}") for i in range(shape.n_layers)]
         values = [store.get(f"{self.name}.v.{i}") for i in range(shape.n_layers)]
