@@ -408,7 +408,7 @@ def _table(header: dict, data0: int, size: int) -> dict[str, tuple[torch.dtype, 
         if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
             raise _damaged(f"bad tensor table entry {name!r}")
         dt, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
-        if dt not in DTYPES:
+        if not isinstance(dt, str) or dt not in DTYPES:
             raise _damaged(f"tensor {name!r} has unsupported dtype {dt!r}")
         if not isinstance(shape, list) or len(shape) > 8 or not all(type(x) is int and 0 <= x < 2**40 for x in shape):
             raise _damaged(f"tensor {name!r} has a bad shape")

@@ -185,9 +185,9 @@ class SentenceKVMethod(CacheMethod):
 
     def open(self, store: TensorStore, params, shape: ModelShape, device) -> KVMemory:
         L = shape.n_layers
-        keys = [store.get(f"sentencekv.k.{i}") for i in range(L)]
-        values = [store.get(f"sentencekv.v.{i}") for i in range(L)]
-        means = [store.get(f"sentencekv.mean.{i}") for i in range(L)]
+        keys = [store.get(f"sentencekv.k.{i}").to(shape.dtype) for i in range(L)]
+        values = [store.get(f"sentencekv.v.{i}").to(shape.dtype) for i in range(L)]
+        means = [store.get(f"sentencekv.mean.{i}").to(shape.dtype) for i in range(L)]
         return SentenceMemory(keys, values, means, store.get("sentencekv.bounds"), float(params["budget"]), shape, device)
 
     def describe(self, store: TensorStore, params) -> dict[str, Any]:
