@@ -45,6 +45,8 @@ def ingest(
 
     if max_input_mb <= 0:
         raise SekvError(f"--max-input-mb must be positive, not {max_input_mb:g}")
+    if str(document) == "-" and output is None:
+        raise SekvError("reading the document from standard input (-) needs -o PACK")
     with stage("load"):
         doc = load_document(document, max_bytes=int(max_input_mb * 2**20))  # a bad document fails before the model loads
     if output is None and doc.path is None:
