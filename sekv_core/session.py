@@ -101,7 +101,12 @@ def resolve_method(pack: Pack, method: str | None, params: dict[str, Any] | None
     m = methods.get(chosen)  # an unknown --method: one line naming the valid ones
     if chosen != stored and chosen not in getattr(methods.get(stored), "derivable", ()):  # e.g. a sekv pack read as `full`
         raise SekvError(f"this pack was ingested with --method {stored}; --method {chosen} needs a pack made with it (sekv ingest --method {chosen})")
-    merged = dict(pack_params(pack)) if chosen == stored else {}
+    stored_params = pack_params(pack)
+    try:
+        methods.get(stored).resolve_params(stored_params)
+    except (SekvError, TypeError, ValueError) as e:
+        raise PackError(f"{pack.path}: the pack's method parameters are invalid ({e}); re-ingest the document") from None
+    merged = dict(stored_params) if chosen == stored else {}
     for k, v in (params or {}).items():
         if v is None:
             continue

@@ -977,6 +977,11 @@ class SekvMethod(CacheMethod):
             return PackError(f"{what}; the pack is damaged or was not written by sekv, re-ingest the document")
 
         L, N = shape.n_layers, n_tokens
+        choices = {"zoom": _ZOOMS, "tau_mode": TAU_MODES, "routing": ROUTINGS, "segmentation": SEGMENTATIONS, "weighting": ("surprisal", "mean"),
+                   "key_space": ("pre_rope", "post_rope"), "factor_bits": (4, 8), "value_bits": (3, 4), "scale_bits": (8, 16)}
+        for k, allowed in choices.items():
+            if k in params and params[k] not in allowed:
+                raise bad(f"parameter {k} is {params[k]!r}, not one of {', '.join(map(str, allowed))}")
         dims = check_tensors(store, [T("sekv.config", ("int64",), (8,)), T("sekv.key_space", ("int64",), (1,), values=(0, 1))], model_dims(shape, N))
         c = [int(x) for x in store.get("sekv.config").tolist()]
         if c[:4] != [N, L, shape.n_kv_heads, shape.head_dim] or not (1 <= c[4] <= c[5] <= N and 0 <= c[6] <= N and 0 <= c[7] <= N):
