@@ -153,6 +153,13 @@ def main() -> int:
     case("-o under /proc", ["ingest", tiny, "-o", ro, *m], 2)
     case("-o is a directory", ["ingest", tiny, "-o", d, *m], 2)
     case("-o onto an existing pack", ["ingest", tiny, "-o", d / "u16.sekv", *m], 0)
+    small = d / "small_fs"  # a 3 MB filesystem (root only: skipped where mount is not allowed)
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(small)], capture_output=True).returncode == 0:
+        try:
+            case("-o on a full (3 MB) filesystem", ["ingest", good, "-o", small / "x.sekv", *m], 2, check=lambda: not list(small.iterdir()))
+        finally:
+            subprocess.run(["umount", str(small)])
     # options
     case("--device bogus", ["ingest", tiny, "--device", "bogus", *m], 2)
     case("--device cuda without a GPU", ["ingest", tiny, "--device", "cuda", *m], 2)

@@ -171,3 +171,17 @@ def test_model_check(tmp_path):
     with pytest.raises(PackError, match="tokenizer"):
         packmod.check_model(p, "a", "f" * 64, "u" * 64)
     assert json.loads(json.dumps(p.manifest))  # manifest is plain JSON
+
+
+def test_full_disk_while_writing_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+
+    path = tmp_path / "x.sekv"
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(packmod.os, "fsync", no_space)
+    with pytest.raises(SekvError, match="cannot write the pack \\(No space left on device\\); nothing was written"):
+        packmod.write_pack(path, _manifest(), _tensors())
+    assert list(tmp_path.iterdir()) == []
