@@ -128,7 +128,7 @@ def load_document(path: str | Path, max_bytes: int = DEFAULT_MAX_BYTES) -> Docum
             " (convert the document to PDF or plain text first)",
         )
     if st.st_size > max_bytes:
-        raise _error(shown, f"is {st.st_size / 2**20:.0f} MiB, more than the {max_bytes / 2**20:.0f} MiB limit; raise it with --max-input-mb")
+        raise _error(shown, f"is {_size(st.st_size)}, more than the {_size(max_bytes)} limit; raise it with --max-input-mb")
     try:
         with p.open("rb") as f:
             data = _read_limited(f, max_bytes, shown)
@@ -143,8 +143,12 @@ def load_document(path: str | Path, max_bytes: int = DEFAULT_MAX_BYTES) -> Docum
 def _read_limited(f, max_bytes: int, shown: str) -> bytes:
     data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
-        raise _error(shown, f"is more than the {max_bytes / 2**20:.0f} MiB limit; raise it with --max-input-mb")
+        raise _error(shown, f"is more than the {_size(max_bytes)} limit; raise it with --max-input-mb")
     return data
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n:,} bytes"
 
 
 def _document(p: Path | None, name: str, kind: str, data: bytes, shown: str) -> Document:

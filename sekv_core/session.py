@@ -52,6 +52,9 @@ class Session:
             lm = models.load(model, device=device, progress=progress) if model else models.load_named_by_pack(pack.manifest["model"]["id"], device=device)
         shape = ModelShape.of(lm.config, next(lm.model.parameters()).dtype)
         check_model(pack, lm.model_id, lm.fingerprint, lm.tokenizer_fingerprint, shape)
+        vocab = max(int(getattr(lm.config, "vocab_size", 0) or 0), len(lm.tokenizer))
+        if pack.token_ids and max(pack.token_ids) >= vocab:
+            raise PackError(f"{pack.path}: the pack's token ids exceed the model's vocabulary of {vocab}; re-ingest the document")
         method, params = resolve_method(pack, method, params)
         check_pack_tensors(pack, shape)
         with loading(pack, "open"):
