@@ -984,7 +984,7 @@ class SekvMethod(CacheMethod):
                 raise bad(f"parameter {k} is {params[k]!r}, not one of {', '.join(map(str, allowed))}")
         dims = check_tensors(store, [T("sekv.config", ("int64",), (8,)), T("sekv.key_space", ("int64",), (1,), values=(0, 1))], model_dims(shape, N))
         c = [int(x) for x in store.get("sekv.config").tolist()]
-        if c[:4] != [N, L, shape.n_kv_heads, shape.head_dim] or not (1 <= c[4] <= c[5] <= N and 0 <= c[6] <= N and 0 <= c[7] <= N):
+        if c[:4] != [N, L, shape.n_kv_heads, shape.head_dim] or not (1 <= c[4] <= c[5] < 2**31 and 0 <= c[6] < 2**31 and 0 <= c[7] < 2**31):
             raise bad("tensor 'sekv.config' does not match the document and model")
         pre = int(store.get("sekv.key_space")[0]) == 1
         f32 = ("float32",)
