@@ -29,7 +29,8 @@ SEKV = [sys.executable, "-c", "from sekv_cli.app import main; main()"]
 def sekv(*args, env=None, input=None, signal_after=None, sig=signal.SIGTERM, wait_for=None, timeout=600):
     e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
     p = subprocess.Popen(SEKV + [str(a) for a in args], stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=e, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=e, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal (a background job ignores SIGINT)
     if signal_after is not None:
         t0 = time.time()
         while time.time() - t0 < 300 and (wait_for is not None and not wait_for()):
@@ -126,7 +127,7 @@ def main() -> int:
         ok_check = check() if check else True
         ok = (code == want) and not tb and (want == 0 or len(lines) == 1) and ok_check and not tmps()
         rows.append((name, " ".join(str(a) for a in args).replace(str(d) + "/", "").replace("|", "\\|"), code, want,
-                     (first if want else "ok")[:150].replace("|", "\\|"), "yes" if tb else "no", "ok" if ok else "FAIL"))
+                     (first if want else "ok").replace(str(d) + "/", "")[:150].replace("|", "\\|"), "yes" if tb else "no", "ok" if ok else "FAIL"))
         print(f"{'ok  ' if ok else 'FAIL'} {name}: exit {code}: {first[:120]}", file=sys.stderr)
 
     m = ["--model", MODEL, "-q"]
@@ -167,7 +168,7 @@ def main() -> int:
     case("--budget 1.5", ["ask", pack, "q", "--budget", "1.5"], 2)
     case("--method bogus (ingest)", ["ingest", tiny, "--method", "bogus", *m], 2)
     case("--method bogus (ask)", ["ask", pack, "q", "--method", "bogus"], 2)
-    case("--method full on a sekv pack", ["ask", pack, "q", "--method", "streamingllm"], 2)
+    case("--method streamingllm on a sekv pack", ["ask", pack, "q", "--method", "streamingllm"], 2)
     case("--model unknown", ["ingest", tiny, "--model", "nope-7b", "-q"], 2)
     case("unknown option", ["ask", pack, "q", "--bogus"], 2)
     case("--max-new-tokens 0", ["ask", pack, "q", "-n", "0"], 2)

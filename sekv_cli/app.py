@@ -94,7 +94,8 @@ def main() -> None:
     except click.ClickException as e:
         from .display import safe_line
 
-        hint = f" (see `{e.ctx.command_path} --help`)" if getattr(e, "ctx", None) is not None else ""
+        sub = " ".join(e.ctx.command_path.split()[1:]) if getattr(e, "ctx", None) is not None else ""
+        hint = f" (see `sekv {sub + ' ' if sub else ''}--help`)"
         print(f"sekv: error: {safe_line(e.format_message())}{hint}", file=sys.stderr)
         rc = e.exit_code
     except KeyboardInterrupt:

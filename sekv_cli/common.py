@@ -83,5 +83,5 @@ def fail(message: str, exc: BaseException | None, code: int):
 
 def check_budget(value: float | None) -> float | None:
     if value is not None and not 0 < value <= 1:
-        raise typer.BadParameter(f"{value:g} is not in (0, 1]: the resident KV as a fraction of the full KV cache (1 keeps it all)")
+        raise typer.BadParameter(f"{value:g} is not in (0, 1]: the resident KV as a fraction of the full KV cache (1: no cap)")
     return value
