@@ -5,7 +5,19 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import signal
 import sys
+
+
+def _interrupted_while_importing(signum, frame):  # torch & co. take seconds to import: Ctrl-C there is a clean exit
+    os.write(2, b"sekv: interrupted\n")
+    os._exit(130)
+
+
+try:
+    _SIGINT = signal.signal(signal.SIGINT, _interrupted_while_importing)
+except ValueError:  # not the main thread (imported by a test runner's worker)
+    _SIGINT = None
 
 # tqdm reads this when it is imported (the commands' imports pull it in): third-party bars such as the
 # GGUF conversion's stay off; sekv's own progress is Rich
@@ -33,8 +45,11 @@ def _version(value: bool) -> None:
 @app.callback()
 def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="print the version and exit"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="on an error, print its traceback too (also SEKV_DEBUG=1)"),
 ) -> None:
     """Ask questions about long documents from reloadable context packs (SeKV resolution-adaptive KV cache)."""
+    if verbose:
+        os.environ["SEKV_DEBUG"] = "1"
 
 
 def with_verbosity(fn):
@@ -107,12 +122,44 @@ def _register() -> None:
 
 
 _register()
+if _SIGINT is not None:
+    signal.signal(signal.SIGINT, _SIGINT)
+
+
+def _terminated(signum, frame):
+    """SIGTERM unwinds like Ctrl-C (temporary files are removed on the way out), exit code 143."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    print("sekv: terminated", file=sys.stderr, flush=True)
+    raise SystemExit(143)
 
 
 def main() -> None:
-    """Entry point. User errors are handled per command (common.user_errors): one line, exit 2."""
+    """Entry point: the error rule of sekv_core/errors.py for command-line usage errors too (one line, exit 2)."""
+    try:  # typer bundles its own copy of click
+        from typer._click import exceptions as click
+    except ImportError:
+        from click import exceptions as click
+
     _quiet_libraries()
-    app()
+    signal.signal(signal.SIGTERM, _terminated)
+    try:
+        rc = app(standalone_mode=False)
+    except click.NoArgsIsHelpError as e:
+        print(e.ctx.get_help())
+        rc = 2
+    except click.ClickException as e:
+        from .display import safe_line
+
+        sub = " ".join(e.ctx.command_path.split()[1:]) if getattr(e, "ctx", None) is not None else ""
+        hint = f" (see `sekv {sub + ' ' if sub else ''}--help`)"
+        print(f"sekv: error: {safe_line(e.format_message())}{hint}", file=sys.stderr)
+        rc = e.exit_code
+    except KeyboardInterrupt:
+        print("sekv: interrupted", file=sys.stderr)
+        rc = 130
+    except BrokenPipeError:  # `sekv ... | head`
+        rc = 0
+    sys.exit(rc if isinstance(rc, int) else 0)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from sekv_core.sampling import Sampling
 from sekv_core.session import Session
 
 from .common import user_errors, BudgetOpt, QuietOpt, VerboseOpt, CompileOpt, DeviceOpt, MethodOpt, ModelOpt, RouterOpt, RoutingOpt, method_overrides
-from .display import err, human_bytes, kv_table, model_progress, out, stats_rows
+from .display import err, human_bytes, kv_table, model_progress, out, safe, safe_line, stats_rows
 from .evidence import evidence_rows
 
 
@@ -96,13 +96,13 @@ def run_question(
             def on_step(memory):
                 status.plain = live_line(memory)
 
-            answer = session.ask(question, history=history, max_new_tokens=max_new_tokens, on_text=text.append, on_step=on_step, sampling=sampling)
+            answer = session.ask(question, history=history, max_new_tokens=max_new_tokens, on_text=lambda piece: text.append(safe(piece)), on_step=on_step, sampling=sampling)
             status.plain = ""
             live.update(Group(text))
     else:
 
         def emit(piece: str) -> None:
-            sys.stdout.write(piece)
+            sys.stdout.write(safe(piece))
             sys.stdout.flush()
 
         answer = session.ask(question, history=history, max_new_tokens=max_new_tokens, on_text=emit, sampling=sampling)
@@ -115,9 +115,9 @@ def run_question(
         extra = answer.stats.extra or {}
         rows = evidence_rows(session, extra.get("span_zoom_counts") or {}, span_order=extra.get("span_order"))
         if not rows:
-            err.print("[dim]no zoomed passages (this method does not zoom, or nothing was expanded)[/]")
+            err.print(Text("no zoomed passages (this method does not zoom, or nothing was expanded)", style="dim"))
         for r in rows[:5]:
-            err.print(f"[bold]page {r['page']}[/] [dim](zoomed {r['zoom_count']}x)[/] {r['text']}")
+            err.print(Text.assemble((f"page {r['page']}", "bold"), " ", (f"(zoomed {r['zoom_count']}x)", "dim"), " ", safe(r["text"])))
     return answer
 
 
@@ -149,11 +149,11 @@ def ask(
     session = open_session(pack, model, method, budget, device, quiet=quiet, router=router, routing=routing)
     session.compile_layers = compile_layers
     if verbose and not quiet:
-        err.print(Text(f"{session.pack.path}: {session.base_tokens} tokens, method {session.method}, model {session.lm.model_id}, "
+        err.print(Text(f"{safe_line(session.pack.path)}: {session.base_tokens} tokens, method {session.method}, model {safe_line(session.lm.model_id)}, "
                        f"opened in {session.load_s:.1f} s; {len(todo)} question(s)"))
     for i, question in enumerate(todo):
         if len(todo) > 1 and not as_json:
             if i:
                 out.print()
-            out.print(Text(f"Q: {question}", style="bold"))
+            out.print(Text(f"Q: {safe_line(question)}", style="bold"))
         run_question(session, question, max_new_tokens, as_json, show_evidence, sampling=sampling, quiet=quiet)

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -108,9 +109,9 @@ def print_report(out_dir: Path, no_plots: bool) -> None:
             )
         err.print(t)
     for p in plots:
-        err.print(f"[dim]plot[/] {p}", highlight=False)
+        err.print(f"[dim]plot[/] {escape(str(p))}", markup=True, highlight=False)
     if errors:
-        err.print(f"[yellow]{len(errors)} cell(s) failed; see summary.md; a re-run retries them[/]")
+        err.print(f"[yellow]{len(errors)} cell(s) failed; see summary.md; a re-run retries them[/]", markup=True)
     print(summary)
 
 

@@ -16,7 +16,7 @@ from . import transcript
 from .chat_input import LineReader, history_path
 from .cmd_ask import SeedOpt, TemperatureOpt, TopPOpt, open_session, run_question
 from .common import user_errors, BudgetOpt, CompileOpt, DeviceOpt, MethodOpt, ModelOpt, QuietOpt, RouterOpt, RoutingOpt, VerboseOpt, method_overrides
-from .display import err, kv_table, stats_rows
+from .display import err, kv_table, safe, safe_line, stats_rows
 from .evidence import evidence_rows
 
 HELP = """commands:
@@ -56,7 +56,7 @@ def show_sources(session, answer) -> None:
     if not rows:
         say(("no zoomed passages ", "dim"), f"(method {session.method} does not zoom, or nothing was expanded)")
     for r in rows[:5]:
-        say((f"page {r['page']}", "bold"), (f" (zoomed {r['zoom_count']}x) ", "dim"), r["text"])
+        say((f"page {r['page']}", "bold"), (f" (zoomed {r['zoom_count']}x) ", "dim"), safe(r["text"]))
 
 
 def save(reader: LineReader, session, exchanges: list[transcript.Exchange], arg: str) -> None:
@@ -112,9 +112,9 @@ def chat(
     reader = LineReader()
     if not quiet:
         doc = session.pack.manifest["document"]["name"]
-        say((doc, "bold"), f" ({session.base_tokens} tokens, method {session.method}). /help for commands, Ctrl-D to quit.")
+        say((safe_line(doc), "bold"), f" ({session.base_tokens} tokens, method {session.method}). /help for commands, Ctrl-D to quit.")
         if verbose:
-            say(f"model {session.lm.model_id}, opened in {session.load_s:.1f} s; history file {history_path() if reader.interactive else '(none: input is not a terminal)'}")
+            say(f"model {safe_line(session.lm.model_id)}, opened in {session.load_s:.1f} s; history file {history_path() if reader.interactive else '(none: input is not a terminal)'}")
         if reader.note:
             say((reader.note, "dim"))
     turns: list[Turn] = []
@@ -162,7 +162,7 @@ def chat(
                     turns.clear()
                     say("history cleared")
                 else:
-                    say(f"unknown command {line!r}; /help lists them")
+                    say(f"unknown command {safe_line(repr(line))}; /help lists them")
                 continue
             last = run_question(session, line, max_new_tokens, False, show_evidence, history=turns if history else (), sampling=sampling, quiet=quiet)
             last_session = session
@@ -170,7 +170,7 @@ def chat(
             say(("[answer interrupted]", "dim"))
             continue
         except SekvError as e:
-            say(("error: ", "red"), str(e))
+            say(("error: ", "red"), safe_line(str(e)))
             continue
         exchanges.append(transcript.Exchange(line, last.text, session.method, session.params.get("budget"), last.stats.generated_tokens))
         if history:

@@ -10,12 +10,16 @@ from sekv_core import methods, models
 from sekv_core.ingest import ingest as run_ingest
 
 from .common import user_errors, BudgetOpt, DeviceOpt, MethodOpt, ModelOpt, RouterOpt, RoutingOpt, method_overrides
-from .display import err, human_bytes, model_progress, token_progress
+from rich.text import Text
+
+from sekv_core.errors import SekvError
+
+from .display import err, human_bytes, model_progress, safe_line, token_progress
 
 
 @user_errors
 def ingest(
-    document: Path = typer.Argument(..., help="a .pdf, .txt or .md file"),
+    document: Path = typer.Argument(..., help="a .pdf, .txt or .md file, or - to read standard input (needs -o)"),
     output: Path = typer.Option(None, "--output", "-o", help="pack path (default: DOC with suffix .sekv, beside it)"),
     model: str = ModelOpt,
     method: str = MethodOpt,
@@ -27,23 +31,39 @@ def ingest(
     ),
     device: str = DeviceOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),
+    force: bool = typer.Option(False, "--force", help="let -o replace an existing file that is not a sekv pack"),
+    max_input_mb: float = typer.Option(256, "--max-input-mb", help="the largest document read, in MiB"),
 ) -> None:
     """Read DOCUMENT once with the model and save its KV memory as a context pack."""
     method = method or methods.DEFAULT_METHOD
     overrides = method_overrides(budget, router, routing) | ({"factor_bits": factor_bits} if factor_bits is not None else {})
     params = methods.get(method).resolve_params(overrides)
     from sekv_core.documents import load_document
+    from sekv_core.errors import stage
+    from sekv_core.ingest import default_pack_path
+    from sekv_core.pack import prepare_output
 
-    load_document(document)  # fail on a bad document before loading the model
-    with model_progress(not quiet) as cb:
+    if max_input_mb <= 0:
+        raise SekvError(f"--max-input-mb must be positive, not {max_input_mb:g}")
+    if str(document) == "-" and output is None:
+        raise SekvError("reading the document from standard input (-) needs -o PACK")
+    with stage("load"):
+        doc = load_document(document, max_bytes=int(max_input_mb * 2**20))  # a bad document fails before the model loads
+    if output is None and doc.path is None:
+        raise SekvError("reading the document from standard input (-) needs -o PACK")
+    prepare_output(output or default_pack_path(doc.path), force=force, inputs=[doc.path] if doc.path else []).discard()  # before the model loads
+    with model_progress(not quiet) as cb, stage("model load"):
         lm = models.load(model or models.DEFAULT_MODEL, device=device, progress=cb)
     with token_progress("prefill", not quiet) as cb:
-        r = run_ingest(document, output, lm=lm, method=method, params=params, progress=cb)
+        r = run_ingest(doc, output, lm=lm, method=method, params=params, force=force, progress=cb)
     if not quiet:
         err.print(
-            f"[green]saved[/] {r.pack_path}  {r.n_tokens} tokens, method {r.method}, "
-            f"{human_bytes(r.pack_bytes)} ({100 * r.pack_bytes / r.raw_kv_fp16_bytes:.1f}% of the raw fp16 KV "
-            f"{human_bytes(r.raw_kv_fp16_bytes)}); prefill {r.prefill_s:.1f} s "
-            f"({r.n_tokens / max(r.prefill_s, 1e-9):.0f} tok/s), compress {r.compress_s:.1f} s"
+            Text.assemble(
+                ("saved", "green"),
+                f" {safe_line(str(r.pack_path))}  {r.n_tokens} tokens, method {r.method}, "
+                f"{human_bytes(r.pack_bytes)} ({100 * r.pack_bytes / r.raw_kv_fp16_bytes:.1f}% of the raw fp16 KV "
+                f"{human_bytes(r.raw_kv_fp16_bytes)}); prefill {r.prefill_s:.1f} s "
+                f"({r.n_tokens / max(r.prefill_s, 1e-9):.0f} tok/s), compress {r.compress_s:.1f} s",
+            )
         )
-    print(r.pack_path)
+    print(safe_line(str(r.pack_path)))

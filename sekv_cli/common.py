@@ -17,7 +17,8 @@ CompileOpt = typer.Option(
     False, "--compile", help="fuse the model's small kernels in decode steps with torch.compile (CUDA only, ignored on the CPU; "
     "a one-time compile of seconds to a minute, so it pays in chat sessions and long answers)"
 )
-BudgetOpt = typer.Option(None, "--budget", min=0.0, max=1.0, help="resident KV budget as a fraction of the full KV cache (sekv)")
+BudgetOpt = typer.Option(None, "--budget", callback=lambda v: check_budget(v),
+                         help="resident KV budget as a fraction of the full KV cache, in (0, 1] (0.1: a tenth; 1: all of it)")
 
 
 RouterOpt = typer.Option(
@@ -44,16 +45,47 @@ def method_overrides(budget: float | None, router: str | None = None, routing: s
 
 
 def user_errors(fn):
-    """Turn SekvError into one line on stderr and a non-zero exit (also under Typer's test runner)."""
+    """The one error rule (sekv_core/errors.py): every failure of a command is one line on stderr and its exit code;
+    -v / SEKV_DEBUG=1 adds the traceback.  Works under Typer's test runner too."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from sekv_core.errors import SekvError
+        from sekv_core import errors
 
         try:
             return fn(*args, **kwargs)
-        except SekvError as e:
-            print(f"sekv: error: {e}", file=sys.stderr)
-            raise typer.Exit(e.exit_code) from None
+        except (typer.Exit, typer.Abort):
+            raise
+        except KeyboardInterrupt:
+            fail("interrupted", None, errors.EXIT_INTERRUPTED)
+        except errors.SekvError as e:
+            fail(str(e), e, e.exit_code)
+        except errors.InternalError as e:
+            fail(str(e), e, e.exit_code)
+        except OSError as e:
+            where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+            fail(f"{e.strerror or type(e).__name__}{where}", e, errors.EXIT_USER)
+        except Exception as e:
+            fail(str(errors.InternalError(fn.__name__, e)), e, errors.EXIT_INTERNAL)
 
     return wrapper
+
+
+def fail(message: str, exc: BaseException | None, code: int):
+    """Print `sekv: error: MESSAGE` (one line, control characters escaped), the traceback when debugging, and exit."""
+    from sekv_core.errors import debug
+
+    from .display import safe_line
+
+    if exc is not None and debug():
+        import traceback
+
+        traceback.print_exception(exc.__cause__ or exc, file=sys.stderr)
+    print(f"sekv: error: {safe_line(message)}" if code != 130 else "sekv: interrupted", file=sys.stderr, flush=True)
+    raise typer.Exit(code)
+
+
+def check_budget(value: float | None) -> float | None:
+    if value is not None and not 0 < value <= 1:
+        raise typer.BadParameter(f"{value:g} is not in (0, 1]: the resident KV as a fraction of the full KV cache (1: no cap)")
+    return value

@@ -3,13 +3,37 @@
 from __future__ import annotations
 
 import contextlib
+import re
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-out = Console()  # answers and reports
-err = Console(stderr=True)  # progress, stats and errors: stdout stays clean for --json and pipes
+# markup, emoji codes and highlighting off: what they print is data (documents, answers, names), never markup
+out = Console(markup=False, emoji=False, highlight=False)  # answers and reports
+err = Console(stderr=True, markup=False, emoji=False, highlight=False)  # progress, stats and errors: stdout stays clean for --json
+
+
+#: characters that must never reach a terminal as they are: C0 controls but tab / newline, DEL, C1 controls (ESC and
+#: CSI start escape sequences: colours, cursor moves, OSC-8 links, screen clears) and the bidi overrides
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_UNSAFE_LINE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape(m: re.Match) -> str:
+    c = ord(m.group())
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+
+
+def safe(text: str) -> str:
+    """Text from a document, a pack, the user or the model, made printable: control characters (newline and tab
+    kept) escaped as \\xNN / \\uNNNN.  Print it with markup off (or inside rich.text.Text), never as markup."""
+    return _UNSAFE.sub(_escape, str(text))
+
+
+def safe_line(text: str) -> str:
+    """safe(), newlines escaped too: for names and one-line messages."""
+    return _UNSAFE_LINE.sub(_escape, str(text))
 
 
 def human_bytes(n: int | float | None) -> str:

@@ -16,6 +16,7 @@ import contextlib
 import io
 import logging
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +53,7 @@ class Document:
     an empty span.  For txt/md there is a single page 1 covering all text.
     """
 
-    path: Path
+    path: Path | None  # None: read from standard input
     name: str  # file name
     kind: str  # "pdf" | "txt" | "md"
     text: str
@@ -89,15 +90,35 @@ def _span_start(span: PageSpan) -> int:
     return span.start
 
 
-def load_document(path: str | Path) -> Document:
-    """Read a .pdf, .txt or .md file; raise DocumentError on any problem."""
+#: the largest document file read by default (a 1,000-page PDF is ~10-50 MB; text past the model's window is refused later)
+DEFAULT_MAX_BYTES = 256 << 20
+STDIN = "-"
+
+
+def load_document(path: str | Path, max_bytes: int = DEFAULT_MAX_BYTES) -> Document:
+    """Read a .pdf, .txt or .md file (or ``-``: standard input, PDF or text); raise DocumentError on any problem.
+
+    Only regular files are read (a FIFO or a device named like a document is refused: it could block or never
+    end), at most ``max_bytes`` of them."""
+    if str(path) == STDIN:
+        import sys
+
+        data = _read_limited(sys.stdin.buffer, max_bytes, "standard input")
+        kind = "pdf" if data[:1024].lstrip().startswith(b"%PDF-") else "txt"
+        return _document(None, "stdin", kind, data, "standard input")
     p = Path(path).expanduser()
     shown = str(path)
 
-    if not p.exists():
-        raise _error(shown, "file not found; check the path")
-    if p.is_dir():
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise _error(shown, "file not found; check the path") from None
+    except OSError as exc:
+        raise _error(shown, f"cannot be read ({exc.strerror or type(exc).__name__}); check that the file is accessible") from None
+    if stat.S_ISDIR(st.st_mode):
         raise _error(shown, "is a directory, not a file; pass a .pdf, .txt or .md file")
+    if not stat.S_ISREG(st.st_mode):
+        raise _error(shown, "is not a regular file (a FIFO, device or socket); pass a file, or - to read standard input")
     suffix = p.suffix.lower()
     if suffix not in SUPPORTED_SUFFIXES:
         got = f"'{p.suffix}'" if p.suffix else "no suffix"
@@ -106,15 +127,31 @@ def load_document(path: str | Path) -> Document:
             f"unsupported file type ({got}); supported: {', '.join(SUPPORTED_SUFFIXES)}"
             " (convert the document to PDF or plain text first)",
         )
+    if st.st_size > max_bytes:
+        raise _error(shown, f"is {_size(st.st_size)}, more than the {_size(max_bytes)} limit; raise it with --max-input-mb")
     try:
-        data = p.read_bytes()
+        with p.open("rb") as f:
+            data = _read_limited(f, max_bytes, shown)
     except PermissionError:
         raise _error(shown, "cannot be read (permission denied); check the file's permissions") from None
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
         raise _error(shown, f"cannot be read ({reason}); check that the file is accessible") from None
+    return _document(p, p.name, suffix[1:], data, shown)
 
-    kind = suffix[1:]
+
+def _read_limited(f, max_bytes: int, shown: str) -> bytes:
+    data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise _error(shown, f"is more than the {_size(max_bytes)} limit; raise it with --max-input-mb")
+    return data
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n:,} bytes"
+
+
+def _document(p: Path | None, name: str, kind: str, data: bytes, shown: str) -> Document:
     if kind == "pdf":
         text, pages = _read_pdf(data, shown)
     else:
@@ -123,7 +160,7 @@ def load_document(path: str | Path) -> Document:
 
     return Document(
         path=p,
-        name=p.name,
+        name=name,
         kind=kind,
         text=text,
         sha256=hashlib.sha256(data).hexdigest(),
@@ -157,7 +194,17 @@ def _normalise(text: str) -> str:
     return text
 
 
+_UTF16_32_BOMS = ((b"\xff\xfe\x00\x00", "utf-32-le"), (b"\x00\x00\xfe\xff", "utf-32-be"), (b"\xff\xfe", "utf-16-le"), (b"\xfe\xff", "utf-16-be"))
+
+
 def _read_text(data: bytes, shown: str) -> str:
+    for bom, enc in _UTF16_32_BOMS:  # UTF-16 / UTF-32 text announces itself with a byte order mark
+        if data.startswith(bom):
+            try:
+                data = data[len(bom):].decode(enc).encode("utf-8")
+            except UnicodeDecodeError:
+                raise _error(shown, f"starts with a {enc.upper()} byte order mark but is not valid {enc.upper()}; convert it to UTF-8 first") from None
+            break
     if b"\x00" in data[:_BINARY_SNIFF_BYTES]:
         raise _error(shown, "looks like a binary file, not text; pass a UTF-8 text or Markdown file")
     if data.startswith(_UTF8_BOM):

@@ -194,7 +194,38 @@ def convert_gguf(gguf: Path, out: Path, source: str) -> None:
         model.generation_config.save_pretrained(out)
     tok.save_pretrained(out)
     weights_sha = file_sha256(out / "model.safetensors")
-    (out / FINGERPRINT_FILE).write_text(json.dumps({"source": source, "weights_sha256": weights_sha}, indent=1))
+    stamp = {"source": source, "weights_sha256": weights_sha, "tensors_sha256": tensors_digest(out)}
+    (out / FINGERPRINT_FILE).write_text(json.dumps(stamp, indent=1))
+
+
+def tensors_digest(path: Path) -> str:
+    """What a model's fingerprint covers of its weights: the tensors themselves (names, dtypes, shapes, bytes) of its
+    safetensors files, in name order, whatever their headers' key order; .bin files by their bytes."""
+    from .errors import PackError
+    from .pack import safetensors_digest
+
+    h = hashlib.sha256()
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            h.update(safetensors_digest(f).encode())
+        except (PackError, ValueError, OSError):
+            h.update(file_sha256(f).encode())
+    for f in sorted(path.glob("*.bin")):
+        h.update(file_sha256(f).encode())
+    return h.hexdigest()
+
+
+def _config_digest(path: Path) -> str:
+    """config.json as canonical JSON, without what the writing transformers version adds."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+        if isinstance(cfg, dict):
+            for k in ("transformers_version", "_name_or_path"):
+                cfg.pop(k, None)
+        data = json.dumps(cfg, sort_keys=True, separators=(",", ":"))
+    except (ValueError, UnicodeDecodeError):
+        data = (path / "config.json").read_bytes().decode("latin-1")
+    return hashlib.sha256(data.encode()).hexdigest()
 
 
 def file_sha256(path: Path) -> str:
@@ -235,22 +266,33 @@ def resolve(model: str, progress: Progress | None = None) -> tuple[str, Path | s
 
 
 def _weights_fingerprint(path: Path) -> str:
-    """sha256 of the model's config and weights; cached beside embedded models, by size+mtime elsewhere."""
+    """sha256 of the model's config and tensors (:func:`tensors_digest`): stable across reinstalls.  Kept in the stamp
+    of embedded models (computed at install, or once for installs from before it); cached by size+mtime elsewhere."""
+    h = hashlib.sha256(("sekv-fingerprint-2:" + _config_digest(path)).encode())
     stamp = path / FINGERPRINT_FILE
-    h = hashlib.sha256((path / "config.json").read_bytes())
     if stamp.is_file():
-        h.update(json.loads(stamp.read_text())["weights_sha256"].encode())
+        info = json.loads(stamp.read_text())
+        if "tensors_sha256" not in info:
+            info["tensors_sha256"] = tensors_digest(path)
+            tmp = stamp.with_name(f".{stamp.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(info, indent=1))
+            os.replace(tmp, stamp)
+        h.update(info["tensors_sha256"].encode())
         return h.hexdigest()
     cache = sekv_home() / "fingerprints.json"
-    known = json.loads(cache.read_text()) if cache.is_file() else {}
-    for f in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
-        st = f.stat()
-        key = f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-        if key not in known:
-            known[key] = file_sha256(f)
-        h.update(known[key].encode())
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps(known))
+    try:
+        known = json.loads(cache.read_text()) if cache.is_file() else {}
+    except ValueError:
+        known = {}
+    files = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
+    key = "tensors:" + ";".join(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    if key not in known:
+        known[key] = tensors_digest(path)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, cache)
+    h.update(known[key].encode())
     return h.hexdigest()
 
 
@@ -291,6 +333,44 @@ def quiet_transformers() -> None:
     tlog.disable_progress_bar()
 
 
+def check_device(device: str | None) -> str:
+    """--device: cpu, cuda or cuda:N that exists here; ModelError naming the choices otherwise."""
+    import torch
+
+    if device is None:
+        return default_device()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ModelError(f"--device {device!r} is not a device sekv runs on; use cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelError(f"--device {device}: no CUDA GPU is available to this torch; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ModelError(f"--device {device}: there are {torch.cuda.device_count()} CUDA device(s) (cuda:0..cuda:{torch.cuda.device_count() - 1})")
+    return str(dev)
+
+
+def load_named_by_pack(model_id: str, device: str | None = None, dtype=None) -> LoadedModel:
+    """The model a pack names: an installed embedded model or an existing local model directory.  A pack never makes
+    sekv install, download or pip anything: ModelError saying what to run instead."""
+    if not isinstance(model_id, str):
+        raise ModelError("the pack does not name a model; pass --model NAME|DIR")
+    if model_id in EMBEDDED:
+        if not is_installed(model_id):
+            raise ModelError(f"the pack was made with model '{model_id}', which is not installed; run `sekv models install {model_id}`")
+        return load(model_id, device=device, dtype=dtype)
+    p = Path(model_id)
+    if p.is_absolute() and p.is_dir() and (p / "config.json").is_file():
+        return load(str(p), device=device, dtype=dtype)
+    raise ModelError(
+        f"the pack was made with model {model_id!r}, which is neither an installed embedded model ({', '.join(EMBEDDED)}) "
+        "nor a local model directory here; pass --model NAME|DIR"
+    )
+
+
 def load(model: str = DEFAULT_MODEL, device: str | None = None, dtype=None, progress: Progress | None = None) -> LoadedModel:
     """Load a frozen causal LM and its tokenizer, with sekv's attention hook installed."""
     import torch
@@ -299,8 +379,8 @@ def load(model: str = DEFAULT_MODEL, device: str | None = None, dtype=None, prog
     from . import runtime
 
     quiet_transformers()
+    device = check_device(device)
     model_id, where = resolve(model, progress)
-    device = device or default_device()
     dtype = dtype or default_dtype(device)
     local = isinstance(where, Path)
     try:

@@ -2,100 +2,252 @@
 
 Layout (``docs/pack-format.md`` has the full description)::
 
-    [8-byte header length][safetensors header JSON][tensor data]
-                            "__metadata__": {"sekv": "<manifest JSON>"}
+    [8-byte header length][header JSON][tensor data]
+    header JSON = {"__metadata__": {"sekv": "<manifest JSON>", "sekv_header_sha256": "<hex>"}, "<tensor>": {...}, ...}
 
-The manifest carries the magic, format version, cache method and parameters,
-model id and fingerprints, document name/sha256/page map, the token ids,
-creation time, sizes, and ``data_sha256`` (the sha256 of the tensor-data
-region).  Tensors are only ever read with safetensors (no pickle), lazily and
-memory-mapped.  Writes are atomic: a temporary file in the same directory,
-fsync, then ``os.replace``; an interrupted write leaves no partial pack.
+Integrity: ``sekv_header_sha256`` is the sha256 of the whole header (length prefix included) with that value
+zeroed, so the manifest and the tensor table are covered; the manifest's ``tensors`` gives every tensor's
+sha256 (over 16 MiB chunks, see :func:`tensor_digest`), checked when the tensor is first read.  Opening a
+pack reads and checks only the header: a multi-GB pack opens in milliseconds and a method pays for the
+tensors it reads.  The file is opened once; every tensor is read from that descriptor into memory and
+hashed there (what is checked is what is used, even if the path is replaced meanwhile).
+
+Everything read from a pack is untrusted: the header, the manifest (:func:`check_manifest`) and the tensor
+values (:func:`check_tensors`, driven by each cache method's ``tensor_specs`` / ``validate``) are type- and
+range-checked before use, and every problem is one :class:`PackError`.  Tensors are only ever read as raw
+little-endian numbers (no pickle).  Writes are atomic: a temporary file in the target directory, fsync,
+``os.replace``; an interrupted write leaves no partial pack.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
+import shutil
+import stat
 import struct
 import tempfile
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 import torch
 
-from .errors import PackError
+from .errors import PackError, SekvError
 
 MAGIC = "SEKV-PACK"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
-_PLACEHOLDER = "0" * 64
+#: 3: manifest and tensor table under a header checksum, per-tensor sha256 (packs before: one data checksum)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (3,)
+SUFFIX = ".sekv"
 _META_KEY = "sekv"
+_HEADER_SUM_KEY = "sekv_header_sha256"
+_ZERO = "0" * 64
+_MAX_HEADER = 256 << 20  # token ids of a 1M-token document are ~8 MB of JSON
+_CHUNK = 16 << 20
+_CACHE_MAX = 4 << 20  # tensors up to this size are kept after their first (checked) read
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+#: safetensors dtype codes <-> torch dtypes (the ones a pack may hold)
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+_CODE = {v: k for k, v in DTYPES.items()}
+_POOL: ThreadPoolExecutor | None = None
 
 
-def _read_header(f) -> tuple[dict, int]:
-    raw = f.read(8)
-    if len(raw) < 8:
-        raise PackError("file is too short to be a sekv pack")
-    (n,) = struct.unpack("<Q", raw)
-    if n <= 0 or n > 100 << 20:
-        raise PackError("not a sekv pack (no safetensors header)")
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="sekv-pack")
+    return _POOL
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _strict_json(raw: str | bytes) -> Any:
+    """json.loads that refuses NaN / Infinity and duplicate keys (two parsers must never disagree on a pack)."""
+
+    def no_dupes(pairs):
+        d = {}
+        for k, v in pairs:
+            if k in d:
+                raise ValueError(f"duplicate key {k!r}")
+            d[k] = v
+        return d
+
+    def no_constants(c):
+        raise ValueError(f"{c} is not allowed")
+
+    return json.loads(raw, object_pairs_hook=no_dupes, parse_constant=no_constants)
+
+
+def _raw_bytes(t: torch.Tensor):
+    """A contiguous CPU tensor's bytes as a buffer (no copy)."""
+    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else memoryview(b"")
+
+
+def tensor_digest(buf) -> str:
+    """sha256 of the sha256s of the buffer's 16 MiB chunks (hashed on several threads: hashlib lets go of the GIL)."""
+    mv = memoryview(buf).cast("B")
+    n = len(mv)
+    parts = [mv[i : i + _CHUNK] for i in range(0, n, _CHUNK)] or [mv]
+    if len(parts) == 1:
+        digests = [hashlib.sha256(parts[0]).digest()]
+    else:
+        digests = list(_pool().map(lambda p: hashlib.sha256(p).digest(), parts))
+    return hashlib.sha256(b"".join(digests)).hexdigest()
+
+
+# -- writing --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class OutputSlot:
+    """A pack's destination, checked and reserved before the (long) work that produces it: the temporary file
+    exists in the target directory (so the directory is writable), and is renamed onto ``path`` by write_pack."""
+
+    path: Path
+    tmp: Path
+
+    def discard(self) -> None:
+        self.tmp.unlink(missing_ok=True)
+
+
+def is_pack_file(path: Path) -> bool:
+    """Whether ``path`` starts like a sekv pack (a safetensors header with a sekv manifest), any version."""
     try:
-        header = json.loads(f.read(n))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise PackError("not a sekv pack (unreadable header)") from None
-    return header, 8 + n
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                return False
+            (n,) = struct.unpack("<Q", raw)
+            if n > _MAX_HEADER:
+                return False
+            meta = json.loads(f.read(n)).get("__metadata__") or {}
+            return isinstance(meta, dict) and isinstance(meta.get(_META_KEY), str) and f'"{MAGIC}"' in meta[_META_KEY]
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
-def _hash_from(f, offset: int) -> str:
-    f.seek(offset)
-    h = hashlib.sha256()
-    while block := f.read(16 << 20):
-        h.update(block)
-    return h.hexdigest()
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
-def write_pack(path: Path, manifest: dict[str, Any], tensors: dict[str, torch.Tensor]) -> int:
-    """Write atomically; return the file size."""
-    from safetensors.torch import save_file
-
+def prepare_output(path: str | Path, *, force: bool = False, inputs: Sequence[str | Path] = (), needed_bytes: int = 0) -> OutputSlot:
+    """Check the output path before any work: not an input, not a directory, not a file that is not a sekv pack
+    (unless ``force``), its directory writable and (roughly) ``needed_bytes`` free.  Raises SekvError."""
     path = Path(path)
-    manifest = dict(manifest, magic=MAGIC, format_version=manifest.get("format_version", FORMAT_VERSION), data_sha256=_PLACEHOLDER)
-    manifest.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    manifest["tensors"] = {k: [str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in sorted(tensors.items())}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    shown = str(path)
+    for i in inputs:
+        if i is not None and str(i) != "-" and (_same_file(path, Path(i)) or path.resolve() == Path(i).resolve()):
+            raise SekvError(f"{shown}: the output would overwrite the input document; choose another -o path")
+    if path.is_dir():
+        raise SekvError(f"{shown}: is a directory; give a file path for the pack (-o DIR/NAME{SUFFIX})")
+    if path.exists() or path.is_symlink():
+        if not path.is_file():
+            raise SekvError(f"{shown}: exists and is not a regular file; choose another -o path")
+        if not force and not is_pack_file(path):
+            raise SekvError(f"{shown}: exists and is not a sekv pack; refusing to replace it (choose another -o path, or --force)")
+    parent = path.parent
+    if not parent.is_dir():
+        raise SekvError(f"{shown}: the directory {parent} does not exist; create it first")
+    if needed_bytes:
+        try:
+            free = shutil.disk_usage(parent).free
+        except OSError:
+            free = None
+        if free is not None and free < needed_bytes:
+            raise SekvError(
+                f"{shown}: {parent} has {free / 2**20:.0f} MiB free, the pack needs up to about {needed_bytes / 2**20:.0f} MiB; free space or choose another -o path"
+            )
     try:
-        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp, metadata={_META_KEY: json.dumps(manifest)})
-        with open(tmp, "r+b") as f:
-            header, data_start = _read_header(f)
-            digest = _hash_from(f, data_start)
-            f.seek(0)
-            head = f.read(data_start)
-            at = head.find(f'data_sha256\\": \\"{_PLACEHOLDER}'.encode())
-            if at < 0:
-                raise RuntimeError("checksum placeholder not found in pack header")
-            at = head.index(_PLACEHOLDER.encode(), at)
-            f.seek(at)
-            f.write(digest.encode())
+        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise SekvError(f"{shown}: cannot write in {parent} ({e.strerror or type(e).__name__}); choose another -o path") from None
+    os.close(fd)
+    return OutputSlot(path, Path(tmp))
+
+
+def write_pack(path: Path, manifest: dict[str, Any], tensors: dict[str, torch.Tensor], slot: OutputSlot | None = None) -> int:
+    """Write atomically (into ``slot``'s temporary file when given); return the file size.  OSError -> SekvError."""
+    path = Path(path)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in sorted(tensors.items())}
+    for k, v in tensors.items():
+        if v.dtype not in _CODE:
+            raise ValueError(f"pack tensor {k}: dtype {v.dtype} is not storable")
+    digests = {k: tensor_digest(_raw_bytes(v)) for k, v in tensors.items()}
+    manifest = dict(manifest, magic=MAGIC, format_version=FORMAT_VERSION)
+    manifest.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    manifest["tensors"] = {k: {"dtype": dtype_name(v.dtype), "shape": list(v.shape), "sha256": digests[k]} for k, v in tensors.items()}
+    header: dict[str, Any] = {"__metadata__": {_META_KEY: json.dumps(manifest, allow_nan=False), _HEADER_SUM_KEY: _ZERO}}
+    off = 0
+    for k, v in tensors.items():
+        n = v.numel() * v.element_size()
+        header[k] = {"dtype": _CODE[v.dtype], "shape": list(v.shape), "data_offsets": [off, off + n]}
+        off += n
+    body = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
+    body += b" " * (-(8 + len(body)) % 8)  # safetensors aligns the data region to 8 bytes
+    head = struct.pack("<Q", len(body)) + body
+    digest = hashlib.sha256(head).hexdigest()
+    head = head.replace(f'"{_HEADER_SUM_KEY}":"{_ZERO}"'.encode(), f'"{_HEADER_SUM_KEY}":"{digest}"'.encode(), 1)
+
+    if slot is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        slot = prepare_output(path, force=True)
+    tmp = slot.tmp
+    try:
+        with open(tmp, "wb") as f:
+            f.write(head)
+            for v in tensors.values():
+                f.write(_raw_bytes(v))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise SekvError(f"{path}: cannot write the pack ({e.strerror or type(e).__name__}); nothing was written") from None
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return path.stat().st_size
+
+
+# -- reading --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute file offset
+    end: int
+    sha256: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
 
 @dataclass
 class Pack:
     path: Path
     manifest: dict[str, Any]
-    _handle: Any = None
+    entries: dict[str, TensorEntry] = field(default_factory=dict)
+    _file: Any = None
+    _cache: dict[str, torch.Tensor] = field(default_factory=dict)
+    file_bytes: int = 0
 
     @property
     def method(self) -> str:
@@ -110,60 +262,290 @@ class Pack:
         return self.manifest["token_ids"]
 
     def keys(self) -> list[str]:
-        return list(self._handle.keys())
+        return list(self.entries)
 
-    def get(self, name: str) -> torch.Tensor:
+    def info(self, name: str) -> TensorEntry:
+        """dtype / shape of a tensor from the (checked) header, without reading it."""
         try:
-            return self._handle.get_tensor(name)
-        except Exception:
+            return self.entries[name]
+        except KeyError:
             raise PackError(f"{self.path}: tensor '{name}' is missing; the pack is damaged, re-ingest the document") from None
 
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor, read from the pack's open file and checked against its sha256 (CPU, its own memory)."""
+        if name in self._cache:
+            return self._cache[name]
+        e = self.info(name)
+        n = e.end - e.start
+        buf = torch.empty(n, dtype=torch.uint8)
+        if n:
+            mv = memoryview(buf.numpy())
+            fd = self._file.fileno()
+
+            def read(a: int) -> None:
+                want = min(_CHUNK, n - a)
+                got = os.preadv(fd, [mv[a : a + want]], e.start + a)
+                if got != want:
+                    raise PackError(f"{self.path}: the file is shorter than its header says; the pack is truncated, re-ingest the document")
+
+            try:
+                list(_pool().map(read, range(0, n, _CHUNK)) if n > _CHUNK else map(read, [0]))
+            except OSError as err:
+                raise PackError(f"{self.path}: cannot read tensor '{name}' ({err.strerror})") from None
+        if tensor_digest(buf.numpy() if n else b"") != e.sha256:
+            raise PackError(f"{self.path}: checksum mismatch in tensor '{name}': the pack is damaged; re-ingest the document")
+        t = buf.view(e.dtype).reshape(e.shape) if n else torch.empty(e.shape, dtype=e.dtype)
+        if n <= _CACHE_MAX:
+            self._cache[name] = t
+        return t
+
     def size_bytes(self) -> int:
-        return self.path.stat().st_size
+        return self.file_bytes
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def n_tokens(self) -> int:
+        return int(self.manifest["n_tokens"])
 
 
-def read_pack(path: Path, verify: bool = True) -> Pack:
-    """Open a pack, checking magic, version and (by default) the data checksum."""
-    from safetensors import safe_open
+def _damaged(what: str) -> PackError:
+    return PackError(f"{what}; the pack is damaged or was not written by sekv, re-ingest the document")
 
+
+def read_pack(path: str | Path) -> Pack:
+    """Open a pack: one open file, the header read once and checked (size, checksum, tensor table, magic, version)."""
     path = Path(path)
-    if not path.exists():
-        raise PackError(f"{path}: no such pack; create one with `sekv ingest DOCUMENT`")
-    if path.is_dir():
-        raise PackError(f"{path}: is a directory, not a pack")
     try:
-        with open(path, "rb") as f:
-            header, data_start = _read_header(f)
-            meta = (header.get("__metadata__") or {}).get(_META_KEY)
-            if meta is None:
-                raise PackError("not a sekv pack (no sekv manifest)")
-            manifest = json.loads(meta)
-            if manifest.get("magic") != MAGIC:
-                raise PackError("not a sekv pack (bad magic)")
-            version = manifest.get("format_version")
-            if version not in READABLE_VERSIONS:
-                newer = isinstance(version, int) and version > max(READABLE_VERSIONS)
-                raise PackError(
-                    f"pack format version {version} is not supported (this sekv reads {', '.join(map(str, READABLE_VERSIONS))}); "
-                    + ("upgrade sekv" if newer else "re-ingest the document")
-                )
-            if verify and _hash_from(f, data_start) != manifest.get("data_sha256"):
-                raise PackError("checksum mismatch: the pack is damaged or truncated; re-ingest the document")
-    except PackError as e:
-        raise PackError(f"{path}: {e}") from None
+        st = path.stat()
+    except FileNotFoundError:
+        raise PackError(f"{path}: no such pack; create one with `sekv ingest DOCUMENT`") from None
     except OSError as e:
         raise PackError(f"{path}: cannot read pack: {e.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise PackError(f"{path}: not a sekv pack (unreadable manifest)") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise PackError(f"{path}: is a directory, not a pack")
+    if not stat.S_ISREG(st.st_mode):
+        raise PackError(f"{path}: is not a regular file (a FIFO or device?); a pack is a file made by `sekv ingest`")
     try:
-        handle = safe_open(str(path), framework="pt", device="cpu")
-    except Exception as e:
-        raise PackError(f"{path}: the pack's tensor data is unreadable ({str(e).splitlines()[0]}); re-ingest the document") from None
-    return Pack(path, manifest, handle)
+        f = open(path, "rb", buffering=0)
+    except OSError as e:
+        raise PackError(f"{path}: cannot read pack: {e.strerror}") from None
+    try:
+        manifest, entries, size = _read_header(f)
+    except PackError as e:
+        f.close()
+        raise PackError(f"{path}: {e}") from None
+    except OSError as e:
+        f.close()
+        raise PackError(f"{path}: cannot read pack: {e.strerror}") from None
+    return Pack(path, manifest, entries, f, file_bytes=size)
 
 
-def check_model(pack: Pack, model_id: str, fingerprint: str, tokenizer_fingerprint: str) -> None:
-    m = pack.manifest["model"]
+def _read_exact(f, offset: int, n: int) -> bytes:
+    data = os.pread(f.fileno(), n, offset) if n else b""
+    if len(data) != n:
+        raise PackError("the file is truncated")
+    return data
+
+
+def _read_header(f) -> tuple[dict, dict[str, TensorEntry], int]:
+    size = os.fstat(f.fileno()).st_size
+    if size < 8:
+        raise PackError("file is too short to be a sekv pack")
+    (n,) = struct.unpack("<Q", _read_exact(f, 0, 8))
+    if n < 2 or n > _MAX_HEADER or 8 + n > size:
+        raise PackError("not a sekv pack (no safetensors header)")
+    head = _read_exact(f, 0, 8 + n)
+    try:
+        header = _strict_json(head[8:])
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise PackError("not a sekv pack (unreadable header)") from None
+    if not isinstance(header, dict):
+        raise PackError("not a sekv pack (unreadable header)")
+    meta = header.pop("__metadata__", None)
+    if not isinstance(meta, dict) or not isinstance(meta.get(_META_KEY), str):
+        raise PackError("not a sekv pack (no sekv manifest)")
+    claimed = meta.get(_HEADER_SUM_KEY)
+    if not isinstance(claimed, str) or not _HEX64.fullmatch(claimed):
+        raise _version_error(meta[_META_KEY]) or _damaged("the header checksum is missing")
+    field_bytes = f'"{_HEADER_SUM_KEY}":"{claimed}"'.encode()
+    if head.count(field_bytes) != 1 or hashlib.sha256(head.replace(field_bytes, f'"{_HEADER_SUM_KEY}":"{_ZERO}"'.encode())).hexdigest() != claimed:
+        raise _damaged("checksum mismatch in the header (manifest or tensor table)")
+    try:
+        manifest = _strict_json(meta[_META_KEY])
+    except (ValueError, RecursionError):
+        raise _damaged("unreadable manifest") from None
+    if not isinstance(manifest, dict) or manifest.get("magic") != MAGIC:
+        raise PackError("not a sekv pack (bad magic)")
+    version = manifest.get("format_version")
+    if type(version) is not int or version not in READABLE_VERSIONS:
+        raise _version_error(meta[_META_KEY]) or _damaged(f"format_version {version!r} is not a pack format version")
+    for key, kind in (("method", str), ("method_params", dict), ("tensors", dict)):
+        if not isinstance(manifest.get(key), kind):
+            raise _damaged(f"the manifest's '{key}' is missing or not a {kind.__name__}")
+    listed = manifest["tensors"]
+    entries: dict[str, TensorEntry] = {}
+    for name, (dtype, shape, start, end) in _table(header, 8 + n, size).items():
+        want = listed.get(name)
+        if (not isinstance(want, dict) or want.get("dtype") != dtype_name(dtype) or want.get("shape") != list(shape)
+                or not isinstance(want.get("sha256"), str) or not _HEX64.fullmatch(want["sha256"])):
+            raise _damaged(f"tensor {name!r} does not match the manifest's tensor list")
+        entries[name] = TensorEntry(dtype, shape, start, end, want["sha256"])
+    if set(listed) != set(entries):
+        raise _damaged("the manifest lists tensors the file does not hold")
+    return manifest, entries, size
+
+
+def _table(header: dict, data0: int, size: int) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
+    """A safetensors tensor table (the header without ``__metadata__``), checked: known dtypes, sane shapes, byte
+    ranges inside the file, matching the shapes, disjoint, and covering the data region exactly.
+    name -> (dtype, shape, absolute start, end)."""
+    out = {}
+    spans = []
+    for name, e in header.items():
+        if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
+            raise _damaged(f"bad tensor table entry {name!r}")
+        dt, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
+        if not isinstance(dt, str) or dt not in DTYPES:
+            raise _damaged(f"tensor {name!r} has unsupported dtype {dt!r}")
+        if not isinstance(shape, list) or len(shape) > 8 or not all(type(x) is int and 0 <= x < 2**40 for x in shape):
+            raise _damaged(f"tensor {name!r} has a bad shape")
+        if not isinstance(offs, list) or len(offs) != 2 or not all(type(x) is int for x in offs) or not 0 <= offs[0] <= offs[1] <= size - data0:
+            raise _damaged(f"tensor {name!r} lies outside the file")
+        dtype = DTYPES[dt]
+        if offs[1] - offs[0] != math.prod(shape) * torch.empty(0, dtype=dtype).element_size():
+            raise _damaged(f"tensor {name!r}: its byte range does not match its shape")
+        out[name] = (dtype, tuple(shape), data0 + offs[0], data0 + offs[1])
+        spans.append((offs[0], offs[1]))
+    spans.sort()
+    if any(b[0] < a[1] for a, b in zip(spans, spans[1:])):
+        raise _damaged("tensors overlap in the file")
+    if (spans[-1][1] if spans else 0) != size - data0:
+        raise _damaged("the file's length does not match its tensor table (truncated or appended to)")
+    return out
+
+
+def safetensors_digest(path: Path) -> str:
+    """sha256 over a safetensors file's tensors in name order (name, dtype, shape, and the bytes'
+    :func:`tensor_digest`): the same for the same tensors, whatever the header's key order or metadata."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        (n,) = struct.unpack("<Q", _read_exact(f, 0, 8))
+        if n > _MAX_HEADER or 8 + n > size:
+            raise PackError(f"{path}: not a safetensors file")
+        header = json.loads(_read_exact(f, 8, n))
+        header.pop("__metadata__", None)
+        h = hashlib.sha256()
+        for name, (dtype, shape, start, end) in sorted(_table(header, 8 + n, size).items()):
+            buf = _read_exact(f, start, end - start)
+            h.update(json.dumps([name, dtype_name(dtype), list(shape), tensor_digest(buf)]).encode())
+        return h.hexdigest()
+
+
+def _version_error(meta: str) -> PackError | None:
+    """A pack of another format version: a one-line 're-ingest' / 'upgrade sekv' error, else None."""
+    try:
+        m = json.loads(meta)
+        version = m.get("format_version") if isinstance(m, dict) and m.get("magic") == MAGIC else None
+    except ValueError:
+        return None
+    if type(version) is not int or version in READABLE_VERSIONS:
+        return None
+    if version > max(READABLE_VERSIONS):
+        return PackError(f"pack format version {version} is newer than this sekv reads ({FORMAT_VERSION}); upgrade sekv")
+    return PackError(f"pack format version {version} is older than this sekv reads ({FORMAT_VERSION}); re-ingest the document")
+
+
+# -- the manifest -----------------------------------------------------------------------------------------------
+
+_NAT = ("int", 0, 2**53)
+_POS = ("int", 1, 2**53)
+_STR = ("str", 4096)
+_HEX = ("hex",)
+#: what check_manifest requires beyond read_pack's (magic, format_version, method, method_params, tensors)
+MANIFEST_SCHEMA: dict[str, Any] = {
+    "sekv_version": _STR,
+    "model": {
+        "id": _STR, "fingerprint": _HEX, "tokenizer_fingerprint": _HEX, "dtype": ("choice", ("float32", "float16", "bfloat16")),
+        "shape": {"layers": ("int", 1, 4096), "heads": ("int", 1, 4096), "kv_heads": ("int", 1, 4096), "head_dim": ("int", 1, 4096)},
+        "context_window": _NAT,
+    },
+    "document": {"name": _STR, "kind": ("choice", ("pdf", "txt", "md")), "sha256": _HEX, "n_chars": _NAT, "n_pages": _NAT, "token_pages": ("list",)},
+    "n_tokens": ("int", 1, 1 << 24),
+    "token_ids": ("list",),
+    "sizes": {"raw_kv_fp16_bytes": _NAT, "tensor_bytes": _NAT},
+    "created": _STR,
+}
+
+
+def _check_value(v: Any, spec: Any, where: str) -> None:
+    if isinstance(spec, dict):
+        if not isinstance(v, dict):
+            raise _damaged(f"manifest field '{where}' is not an object")
+        for k, s in spec.items():
+            if k not in v:
+                raise _damaged(f"manifest field '{where}.{k}' is missing")
+            _check_value(v[k], s, f"{where}.{k}")
+        return
+    kind = spec[0]
+    ok = {
+        "int": lambda: type(v) is int and spec[1] <= v <= spec[2],
+        "str": lambda: isinstance(v, str) and len(v) <= spec[1],
+        "hex": lambda: isinstance(v, str) and bool(_HEX64.fullmatch(v)),
+        "choice": lambda: v in spec[1] and isinstance(v, str),
+        "list": lambda: isinstance(v, list),
+    }[kind]()
+    if not ok:
+        raise _damaged(f"manifest field '{where}' has a bad value ({_short(v)})")
+
+
+def _short(v: Any) -> str:
+    s = json.dumps(v) if not isinstance(v, str) else repr(v)
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+def check_manifest(pack: Pack) -> None:
+    """Every manifest field that ask / chat / inspect read: types and ranges, the token ids and page runs against
+    the token count.  PackError naming the field."""
+    m = pack.manifest
+    try:
+        for k, s in MANIFEST_SCHEMA.items():
+            if k not in m:
+                raise _damaged(f"manifest field '{k}' is missing")
+            _check_value(m[k], s, k)
+        n = m["n_tokens"]
+        ids = m["token_ids"]
+        if len(ids) != n or not all(type(t) is int and 0 <= t < 2**31 for t in ids):
+            raise _damaged("the manifest's token_ids do not match n_tokens")
+        runs = m["document"]["token_pages"]
+        pages = m["document"]["n_pages"]
+        prev = 0
+        for r in runs:
+            if (not isinstance(r, list) or len(r) != 3 or not all(type(x) is int for x in r)
+                    or not (0 <= r[0] <= pages and prev <= r[1] < r[2] <= n)):
+                raise _damaged("the manifest's token -> page map is out of range")
+            prev = r[2]
+        shape = m["model"]["shape"]
+        if shape["heads"] % shape["kv_heads"]:
+            raise _damaged("the manifest's model shape is inconsistent (heads not a multiple of kv_heads)")
+    except PackError as e:
+        raise PackError(f"{pack.path}: {e}") from None
+
+
+def manifest_shape(pack: Pack):
+    """The attention shape the pack was made for (from its checked manifest)."""
+    from .methods.base import ModelShape
+
+    s = pack.manifest["model"]["shape"]
+    return ModelShape(s["layers"], s["heads"], s["kv_heads"], s["head_dim"], getattr(torch, pack.manifest["model"]["dtype"]))
+
+
+def check_model(pack: Pack, model_id: str, fingerprint: str, tokenizer_fingerprint: str, shape=None) -> None:
+    m = pack.manifest.get("model")
+    if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("id", "fingerprint", "tokenizer_fingerprint")):
+        raise _damaged(f"{pack.path}: the manifest's model record is missing")
     if m["fingerprint"] != fingerprint:
         raise PackError(
             f"{pack.path}: made with model '{m['id']}' (fingerprint {m['fingerprint'][:12]}), "
@@ -171,3 +553,86 @@ def check_model(pack: Pack, model_id: str, fingerprint: str, tokenizer_fingerpri
         )
     if m["tokenizer_fingerprint"] != tokenizer_fingerprint:
         raise PackError(f"{pack.path}: the tokenizer differs from the one the pack was made with; re-ingest the document")
+    s = m.get("shape")
+    if shape is not None and isinstance(s, dict) and (s.get("layers"), s.get("heads"), s.get("kv_heads"), s.get("head_dim")) != (
+        shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.head_dim
+    ):
+        raise _damaged(f"{pack.path}: the manifest's model shape does not match the model with its fingerprint")
+
+
+# -- tensor values: the generic checks every method's expectations go through --------------------------------
+
+FLOATS = ("float16", "bfloat16", "float32")
+INTS = ("int64", "int32", "int16")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What one tensor (or one per layer, where ``name`` holds ``{l}``) must be.
+
+    ``shape``: ints, dimension names (bound in ``dims``, or bound by the first tensor that names them and then
+    required of every other one), or ``"*"`` (any).  ``values``: (lo, hi), every element of an integer tensor in
+    [lo, hi] (ints or dimension names); ``increasing``: non-decreasing along the last axis."""
+
+    name: str
+    dtypes: tuple[str, ...]
+    shape: tuple[int | str, ...]
+    optional: bool = False
+    values: tuple[int | str, int | str] | None = None
+    increasing: bool = False
+    finite: bool = False
+
+
+def check_tensors(store, specs: Iterable[TensorSpec], dims: dict[str, int], n_layers: int = 0) -> dict[str, int]:
+    """Check a store's tensors against specs; return the dimensions bound on the way.  PackError on any mismatch.
+    Shapes and dtypes come from the header (nothing is read); only ``values`` / ``finite`` specs read tensors."""
+    dims = dict(dims)
+    names = set(store.keys())
+    info = getattr(store, "info", None)
+    for spec in specs:
+        for layer, name in ([(i, spec.name.format(l=i)) for i in range(n_layers)] if "{l}" in spec.name else [(0, spec.name)]):
+            if name not in names:
+                if spec.optional:
+                    continue
+                raise PackError(f"tensor '{name}' is missing; the pack is damaged or incomplete, re-ingest the document")
+            if info is not None:
+                e = info(name)
+                dt, shape = dtype_name(e.dtype), e.shape
+            else:
+                t = store.get(name)
+                dt, shape = dtype_name(t.dtype), tuple(t.shape)
+            if dt not in spec.dtypes:
+                raise PackError(f"tensor '{name}' is {dt}, expected {' or '.join(spec.dtypes)}; re-ingest the document")
+            if len(shape) != len(spec.shape):
+                raise PackError(f"tensor '{name}' has {len(shape)} dimensions, expected {len(spec.shape)}; re-ingest the document")
+            for got, want in zip(shape, spec.shape):
+                if want == "*":
+                    continue
+                if isinstance(want, str) and "{l}" in want:  # a dimension of its own in every layer
+                    want = want.format(l=layer)
+                if isinstance(want, str) and want not in dims:
+                    dims[want] = got
+                exp = dims[want] if isinstance(want, str) else want
+                if got != exp:
+                    raise PackError(f"tensor '{name}' has shape {list(shape)}, expected {_shape_text(spec.shape, dims, layer)}; re-ingest the document")
+            if spec.values is not None or spec.increasing or spec.finite:
+                t = store.get(name)
+                if spec.finite and t.numel() and not bool(torch.isfinite(t.float()).all()):
+                    raise PackError(f"tensor '{name}' holds NaN or infinite values; re-ingest the document")
+                if spec.values is not None and t.numel():
+                    lo, hi = (dims[x] if isinstance(x, str) else x for x in spec.values)
+                    tl = t.long()
+                    if int(tl.min()) < lo or int(tl.max()) > hi:
+                        raise PackError(f"tensor '{name}' holds values outside [{lo}, {hi}]; re-ingest the document")
+                if spec.increasing and t.shape[-1] > 1 and bool((t.long().diff(dim=-1) < 0).any()):
+                    raise PackError(f"tensor '{name}' is not in increasing order; re-ingest the document")
+    return dims
+
+
+def _shape_text(shape: tuple, dims: dict[str, int], layer: int = 0) -> str:
+    return "[" + ", ".join(str(dims.get(x.format(l=layer), x)) if isinstance(x, str) else str(x) for x in shape) + "]"
+
+
+def model_dims(shape, n_tokens: int) -> dict[str, int]:
+    """The dimension names every spec may use: N tokens, L layers, H heads, Hkv KV heads, d head dim."""
+    return {"N": n_tokens, "L": shape.n_layers, "H": shape.n_heads, "Hkv": shape.n_kv_heads, "d": shape.head_dim}

@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import methods, models, prompt
-from .errors import SekvError
+import contextlib
+
+from .errors import PackError, SekvError
 from .generate import DecodeStats, TextStream, generate
 from .methods.base import KVMemory, ModelShape
-from .pack import Pack, check_model, read_pack
+from .pack import Pack, check_manifest, check_model, manifest_shape, read_pack
 from .sampling import Sampler, Sampling
 
 
@@ -45,12 +47,19 @@ class Session:
     ) -> "Session":
         t0 = time.perf_counter()
         pack = read_pack(Path(pack_path))
+        check_manifest(pack)
         if lm is None:
-            lm = models.load(model or pack.manifest["model"]["id"], device=device, progress=progress)
-        check_model(pack, lm.model_id, lm.fingerprint, lm.tokenizer_fingerprint)
-        method, params = resolve_method(pack, method, params)
+            # the pack only names the model: an installed embedded one or an existing local directory, never an install
+            lm = models.load(model, device=device, progress=progress) if model else models.load_named_by_pack(pack.manifest["model"]["id"], device=device)
         shape = ModelShape.of(lm.config, next(lm.model.parameters()).dtype)
-        memory = methods.get(method).open(pack, params, shape, next(lm.model.parameters()).device)
+        check_model(pack, lm.model_id, lm.fingerprint, lm.tokenizer_fingerprint, shape)
+        vocab = max(int(getattr(lm.config, "vocab_size", 0) or 0), len(lm.tokenizer))
+        if pack.token_ids and max(pack.token_ids) >= vocab:
+            raise PackError(f"{pack.path}: the pack's token ids exceed the model's vocabulary of {vocab}; re-ingest the document")
+        method, params = resolve_method(pack, method, params)
+        check_pack_tensors(pack, shape)
+        with loading(pack, "open"):
+            memory = methods.get(method).open(pack, params, shape, next(lm.model.parameters()).device)
         return cls(pack, lm, method, params, memory, time.perf_counter() - t0)
 
     def ask(
@@ -92,15 +101,100 @@ class Session:
 def resolve_method(pack: Pack, method: str | None, params: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
     """The pack's method, or an ask-time override that the pack's tensors support."""
     stored = pack.method
+    if stored not in methods.REGISTRY:
+        raise PackError(f"{pack.path}: made with cache method {stored!r}, which this sekv does not have ({', '.join(methods.REGISTRY)})")
     chosen = method or stored
+    m = methods.get(chosen)  # an unknown --method: one line naming the valid ones
     if chosen != stored and chosen not in getattr(methods.get(stored), "derivable", ()):  # e.g. a sekv pack read as `full`
-        raise SekvError(f"this pack was ingested with --method {stored}; re-ingest with --method {chosen} to use it")
-    m = methods.get(chosen)
-    merged = dict(pack.params) if chosen == stored else {}
+        raise SekvError(f"this pack was ingested with --method {stored}; --method {chosen} needs a pack made with it (sekv ingest --method {chosen})")
+    stored_params = pack_params(pack)
+    try:
+        methods.get(stored).resolve_params(stored_params)
+    except (SekvError, TypeError, ValueError) as e:
+        raise PackError(f"{pack.path}: the pack's method parameters are invalid ({e}); re-ingest the document") from None
+    merged = dict(stored_params) if chosen == stored else {}
     for k, v in (params or {}).items():
         if v is None:
             continue
         if chosen == stored and k not in m.ask_time_params:
             raise SekvError(f"--{k} cannot be changed at ask time for method '{chosen}'; re-ingest with it")
         merged[k] = v
-    return chosen, m.resolve_params(merged)
+    if chosen == stored and "router" not in (params or {}) and not _recorded_router_ok(merged):
+        merged["router"] = "auto"  # a router file the pack names is read only when it is the one it was made with
+    try:
+        return chosen, m.resolve_params(merged)
+    except (TypeError, ValueError) as e:
+        raise PackError(f"{pack.path}: the pack's method parameters are invalid ({e}); re-ingest the document") from None
+
+
+def pack_params(pack: Pack) -> dict[str, Any]:
+    """The pack's method parameters, checked against the method's: known names, each of its default's JSON type
+    (an int where a float is expected is fine), finite numbers of a sane size, and a budget in (0, 1]."""
+    m = methods.get(pack.method)
+    out = {}
+    for k, v in pack.params.items():
+        if k not in m.default_params:
+            raise PackError(f"{pack.path}: unknown {pack.method} parameter {k!r} in the pack; it was not written by this sekv, re-ingest the document")
+        d = m.default_params[k]
+        ok = (type(v) is bool) if type(d) is bool else (type(v) is int) if type(d) is int else (
+            type(v) in (int, float)) if type(d) is float else isinstance(v, str) if isinstance(d, str) else v is None or type(v) in (int, float, str, bool)
+        if ok and type(v) in (int, float) and not (abs(v) <= 2**31):
+            ok = False
+        if not ok or (isinstance(v, str) and len(v) > 4096):
+            raise PackError(f"{pack.path}: the pack's {pack.method} parameter {k!r} has a bad value; re-ingest the document")
+        out[k] = v
+    b = out.get("budget")
+    if b is not None and not 0 < b <= 1:
+        raise PackError(f"{pack.path}: the pack's budget {b!r} is not in (0, 1]; re-ingest the document")
+    return out
+
+
+def _recorded_router_ok(params: dict[str, Any]) -> bool:
+    """A router named by path in a pack is used only if that file's sha256 is the one recorded with it."""
+    spec = params.get("router")
+    if not isinstance(spec, str) or spec in ("auto", "untrained", "pack", ""):
+        return True
+    p = Path(spec).expanduser()
+    try:
+        if not p.is_file():
+            return True  # the shipped routers are searched by sha256 (sekv/router.py trained_file)
+        from .sekv import router_file
+
+        return router_file.file_sha256(p) == params.get("router_sha256")
+    except OSError:
+        return False
+
+
+def check_pack_tensors(pack: Pack, shape: ModelShape) -> None:
+    """The stored method's tensor checks (CacheMethod.validate), before any of its tensors is used."""
+    with loading(pack, "check"):
+        try:
+            methods.get(pack.method).validate(pack, pack_params(pack), shape, pack.n_tokens())
+        except PackError as e:
+            msg = str(e)
+            raise PackError(msg if msg.startswith(str(pack.path)) else f"{pack.path}: {msg}") from None
+
+
+@contextlib.contextmanager
+def loading(pack: Pack, stage: str):
+    """Anything but a SekvError while a pack is checked or opened is a pack the checks did not anticipate: one
+    PackError (the traceback stays with it for -v / SEKV_DEBUG)."""
+    try:
+        yield
+    except SekvError:
+        raise
+    except Exception as e:
+        raise PackError(f"{pack.path}: the pack's contents are inconsistent ({stage}: {type(e).__name__}); re-ingest the document") from e
+
+
+def inspect_pack(path: str | Path) -> tuple[Pack, dict[str, Any]]:
+    """A pack, checked as ask checks it (without its model: the shape its manifest records), and its method's
+    statistics for `sekv inspect`."""
+    pack = read_pack(Path(path))
+    check_manifest(pack)
+    if pack.method not in methods.REGISTRY:
+        raise PackError(f"{pack.path}: made with cache method {pack.method!r}, which this sekv does not have ({', '.join(methods.REGISTRY)})")
+    params = pack_params(pack)
+    check_pack_tensors(pack, manifest_shape(pack))
+    with loading(pack, "inspect"):
+        return pack, methods.get(pack.method).describe(pack, params)

@@ -6,6 +6,8 @@ import hashlib
 import logging
 from pathlib import Path
 
+import os
+
 import pytest
 from pypdf import PdfReader, PdfWriter
 from pypdf.generic import DecodedStreamObject, DictionaryObject, NameObject
@@ -317,10 +319,10 @@ def test_unreadable_file(tmp_path, monkeypatch, exc, expected):
     path = tmp_path / "private.txt"
     path.write_text("secret")
 
-    def fail(self):
+    def fail(self, *a, **k):
         raise exc
 
-    monkeypatch.setattr(Path, "read_bytes", fail)
+    monkeypatch.setattr(Path, "open", fail)
     msg = _error_of(path)
     assert "private.txt" in msg and "cannot be read" in msg and expected in msg
 
@@ -368,3 +370,28 @@ def test_sample_questions_answers_are_verbatim_on_their_page():
             starts = [i for i in range(len(low)) if low.startswith(answer.lower(), i)]
             assert starts, f"{name}: answer {answer!r} to {question!r} not in text"
             assert page in {doc.page_at(i) for i in starts}, f"{name}: {answer!r} not on page {page}"
+
+
+def test_non_regular_inputs_are_refused(tmp_path):
+    """A FIFO or a device named like a document would block or never end: refused before reading."""
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
+    assert "not a regular file" in _error_of(fifo)
+    link = tmp_path / "zero.txt"
+    link.symlink_to("/dev/zero")
+    assert "not a regular file" in _error_of(link)
+
+
+def test_size_limit(tmp_path):
+    big = tmp_path / "big.txt"
+    big.write_text("word " * 1000)
+    with pytest.raises(DocumentError, match="limit; raise it with --max-input-mb"):
+        load_document(big, max_bytes=1000)
+    assert load_document(big, max_bytes=10000).text.startswith("word")
+
+
+def test_utf16_with_bom_is_text(tmp_path):
+    for enc, bom in (("utf-16-le", b"\xff\xfe"), ("utf-16-be", b"\xfe\xff")):
+        p = tmp_path / f"{enc}.txt"
+        p.write_bytes(bom + "Grüße, 東京\nzweite Zeile".encode(enc))
+        assert load_document(p).text == "Grüße, 東京\nzweite Zeile"

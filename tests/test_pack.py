@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 
 from sekv_core import pack as packmod
-from sekv_core.errors import PackError
+from sekv_core.errors import PackError, SekvError
 
 
 def _tensors():
@@ -36,24 +37,50 @@ def test_round_trip_is_exact(tmp_path):
         assert got.dtype == v.dtype and torch.equal(got, v)
     assert p.manifest["magic"] == packmod.MAGIC
     assert p.token_ids == [1, 2, 3]
-    assert len(p.manifest["data_sha256"]) == 64 and p.manifest["data_sha256"] != "0" * 64
+    assert all(len(e["sha256"]) == 64 for e in p.manifest["tensors"].values())
+    # a plain safetensors file too: other tools read the same tensors
+    from safetensors.torch import load_file
+
+    assert all(torch.equal(load_file(str(path))[k], v) for k, v in t.items())
 
 
 def test_corruption_is_detected(tmp_path):
+    """Tensor bytes: caught when that tensor is read; manifest / tensor table bytes: caught at open."""
     path = tmp_path / "x.sekv"
     packmod.write_pack(path, _manifest(), _tensors())
     raw = bytearray(path.read_bytes())
-    raw[-3] ^= 0xFF
+    raw[-3] ^= 0xFF  # inside the last tensor, d.u8
     path.write_bytes(bytes(raw))
-    with pytest.raises(PackError, match="checksum"):
+    p = packmod.read_pack(path)
+    p.get("a.bf16")
+    with pytest.raises(PackError, match="checksum mismatch in tensor 'd.u8'"):
+        p.get("d.u8")
+    packmod.write_pack(path, _manifest(), _tensors())
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b"token_ids")
+    raw[at + 15] = ord("7") if raw[at + 15] != ord("7") else ord("8")  # a token id in the manifest
+    path.write_bytes(bytes(raw))
+    with pytest.raises(PackError, match="checksum mismatch in the header"):
         packmod.read_pack(path)
+
+
+def test_open_reads_only_the_header_and_reads_from_the_file_it_opened(tmp_path):
+    """The pack is opened once: replacing the path afterwards does not mix two packs' manifest and tensors."""
+    a, b = tmp_path / "a.sekv", tmp_path / "b.sekv"
+    ta = _tensors()
+    tb = {k: torch.zeros_like(v) for k, v in ta.items()}
+    packmod.write_pack(a, _manifest(), ta)
+    packmod.write_pack(b, dict(_manifest(), token_ids=[9]), tb)
+    p = packmod.read_pack(a)
+    b.replace(a)
+    assert p.token_ids == [1, 2, 3] and all(torch.equal(p.get(k), v) for k, v in ta.items())
 
 
 def test_truncated_and_foreign_files(tmp_path):
     path = tmp_path / "x.sekv"
     packmod.write_pack(path, _manifest(), _tensors())
     path.write_bytes(path.read_bytes()[:-10])
-    with pytest.raises(PackError, match="checksum|damaged|unreadable"):
+    with pytest.raises(PackError, match="truncated"):
         packmod.read_pack(path)
     junk = tmp_path / "junk.sekv"
     junk.write_bytes(b"hello world, not a pack at all")
@@ -69,32 +96,68 @@ def test_truncated_and_foreign_files(tmp_path):
         packmod.read_pack(tmp_path / "missing.sekv")
 
 
-def test_unsupported_version(tmp_path):
+def test_unsupported_version(tmp_path, monkeypatch):
     path = tmp_path / "x.sekv"
-    packmod.write_pack(path, dict(_manifest(), format_version=99), _tensors())
+    monkeypatch.setattr(packmod, "FORMAT_VERSION", 99)
+    packmod.write_pack(path, _manifest(), _tensors())
+    monkeypatch.setattr(packmod, "FORMAT_VERSION", 3)
     with pytest.raises(PackError, match="version 99.*upgrade sekv"):
         packmod.read_pack(path)
+    old = tmp_path / "old.sekv"  # a format 2 pack: the data checksum in its manifest, no header checksum
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, str(old), metadata={"sekv": json.dumps({"magic": packmod.MAGIC, "format_version": 2, "data_sha256": "0" * 64})})
+    with pytest.raises(PackError, match="version 2 is older.*re-ingest"):
+        packmod.read_pack(old)
 
 
 def test_interrupted_write_leaves_old_pack_and_no_temp(tmp_path, monkeypatch):
     path = tmp_path / "x.sekv"
     packmod.write_pack(path, _manifest(), _tensors())
     before = path.read_bytes()
-    import safetensors.torch as st
+    real = packmod.os.fsync
 
-    real = st.save_file
-
-    def half_then_interrupt(tensors, filename, metadata=None):
-        real(tensors, filename, metadata=metadata)
-        with open(filename, "r+b") as f:
-            f.truncate(100)
+    def interrupt(fd):
+        real(fd)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(st, "save_file", half_then_interrupt)
+    monkeypatch.setattr(packmod.os, "fsync", interrupt)
     with pytest.raises(KeyboardInterrupt):
         packmod.write_pack(path, dict(_manifest(), method="other"), _tensors())
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["x.sekv"]
+
+
+def test_output_checks(tmp_path):
+    """-o never replaces what is not a pack (unless forced), nor the input; the directory must be writable."""
+    doc = tmp_path / "v.txt"
+    doc.write_text("precious")
+    with pytest.raises(SekvError, match="overwrite the input"):
+        packmod.prepare_output(doc, inputs=[doc], force=True)
+    with pytest.raises(SekvError, match="not a sekv pack; refusing"):
+        packmod.prepare_output(doc)
+    with pytest.raises(SekvError, match="is a directory"):
+        packmod.prepare_output(tmp_path)
+    with pytest.raises(SekvError, match="does not exist"):
+        packmod.prepare_output(tmp_path / "nope" / "x.sekv")
+    with pytest.raises(SekvError, match="MiB free"):
+        packmod.prepare_output(tmp_path / "x.sekv", needed_bytes=1 << 60)
+    pk = tmp_path / "x.sekv"
+    packmod.write_pack(pk, _manifest(), _tensors())
+    slot = packmod.prepare_output(pk)  # a pack may be replaced
+    slot.discard()
+    slot = packmod.prepare_output(doc, force=True)
+    slot.discard()
+    assert doc.read_text() == "precious" and sorted(p.name for p in tmp_path.iterdir()) == ["v.txt", "x.sekv"]
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if not os.access(ro, os.W_OK):  # root writes anywhere
+            with pytest.raises(SekvError, match="cannot write"):
+                packmod.prepare_output(ro / "x.sekv")
+    finally:
+        ro.chmod(0o700)
 
 
 def test_model_check(tmp_path):
@@ -108,3 +171,17 @@ def test_model_check(tmp_path):
     with pytest.raises(PackError, match="tokenizer"):
         packmod.check_model(p, "a", "f" * 64, "u" * 64)
     assert json.loads(json.dumps(p.manifest))  # manifest is plain JSON
+
+
+def test_full_disk_while_writing_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+
+    path = tmp_path / "x.sekv"
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(packmod.os, "fsync", no_space)
+    with pytest.raises(SekvError, match="cannot write the pack \\(No space left on device\\); nothing was written"):
+        packmod.write_pack(path, _manifest(), _tensors())
+    assert list(tmp_path.iterdir()) == []

@@ -134,7 +134,7 @@ def test_pack_round_trip(tmp_path):
     model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=500, budget=0.15, min_span=10)
     path = write_pack(tmp_path / "t.sekv", {"format_version": 2, "method": "sekv", "method_params": p}, dict(store))
     pack = read_pack(tmp_path / "t.sekv")
-    assert pack.manifest["format_version"] == 2
+    assert pack.manifest["format_version"] == 3
     assert set(pack.keys()) == set(store)
     for k, v in store.items():
         got = pack.get(k)
@@ -186,7 +186,7 @@ def test_smollm_full_expansion_and_session(tmp_path):
 
     r = ingest(doc, tmp_path / "log.sekv", lm=lm, method="sekv")
     pack = read_pack(r.pack_path)
-    assert pack.manifest["format_version"] == 2 and pack.method == "sekv"
+    assert pack.manifest["format_version"] == 3 and pack.method == "sekv"
     s = Session.open(r.pack_path, lm=lm)
     ans = s.ask("How many steps does the Skarvholm tower have from the door to the lantern room?", max_new_tokens=12)
     assert ans.text and set(ans.stats.extra) == STAT_KEYS

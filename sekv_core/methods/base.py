@@ -360,6 +360,17 @@ class CacheMethod(ABC):
         """Method-specific statistics for `sekv inspect`."""
         return {}
 
+    def tensor_specs(self, params: dict[str, Any], shape: ModelShape, n_tokens: int) -> list:
+        """What a pack's tensors must be (``sekv_core.pack.TensorSpec``: name, dtypes, shape in terms of N, L, H, Hkv,
+        d and names bound on the way, value ranges), checked by :meth:`validate` before open() / describe() read them."""
+        return []
+
+    def validate(self, store: "TensorStore", params: dict[str, Any], shape: ModelShape, n_tokens: int) -> None:
+        """Raise PackError where the pack's tensors are not what open() / describe() may use.  Default: the specs."""
+        from ..pack import check_tensors, model_dims
+
+        check_tensors(store, self.tensor_specs(params, shape, n_tokens), model_dims(shape, n_tokens), shape.n_layers)
+
 
 class TensorStore(Protocol):
     """A lazy mapping name -> CPU tensor (a pack's safetensors, memory-mapped)."""

@@ -64,7 +64,12 @@ class FullMethod(CacheMethod):
             out[f"full.v.{i}"] = v.contiguous()
         return out
 
+    def tensor_specs(self, params, shape: ModelShape, n_tokens: int) -> list:
+        from ..pack import FLOATS, TensorSpec
+
+        return [TensorSpec(f"full.{kv}.{{l}}", FLOATS, ("Hkv", "N", "d"), finite=True) for kv in "kv"]
+
     def open(self, store: TensorStore, params, shape: ModelShape, device) -> KVMemory:
-        keys = [store.get(f"full.k.{i}") for i in range(shape.n_layers)]
-        values = [store.get(f"full.v.{i}") for i in range(shape.n_layers)]
+        keys = [store.get(f"full.k.{i}").to(shape.dtype) for i in range(shape.n_layers)]
+        values = [store.get(f"full.v.{i}").to(shape.dtype) for i in range(shape.n_layers)]
         return FullMemory(GrowingKV.from_tensors(keys, values, device), shape)

@@ -275,9 +275,17 @@ class EvictionMethod(CacheMethod):
             out[f"{self.name}.idx.{i}"] = ix.to(torch.int32).cpu().contiguous()
         return out
 
+    def tensor_specs(self, params, shape: ModelShape, n_tokens: int) -> list:
+        from ..pack import FLOATS, INTS, TensorSpec
+
+        p = self.name
+        return [TensorSpec(f"{p}.n_doc", ("int64",), (1,), values=(n_tokens, n_tokens)),
+                TensorSpec(f"{p}.idx.{{l}}", INTS, ("Hkv", "K{l}"), values=(0, n_tokens - 1)),
+                *(TensorSpec(f"{p}.{kv}.{{l}}", FLOATS, ("Hkv", "K{l}", "d"), finite=True) for kv in "kv")]
+
     def open(self, store: TensorStore, params, shape: ModelShape, device) -> KVMemory:
-        keys = [store.get(f"{self.name}.k.{i}") for i in range(shape.n_layers)]
-        values = [store.get(f"{self.name}.v.{i}") for i in range(shape.n_layers)]
+        keys = [store.get(f"{self.name}.k.{i}").to(shape.dtype) for i in range(shape.n_layers)]
+        values = [store.get(f"{self.name}.v.{i}").to(shape.dtype) for i in range(shape.n_layers)]
         n_doc = int(store.get(f"{self.name}.n_doc")[0])
         return EvictedMemory.from_kept(keys, values, n_doc, shape, device)
 

@@ -968,6 +968,90 @@ class SekvMethod(CacheMethod):
     def open(self, store: TensorStore, params, shape: ModelShape, device) -> KVMemory:
         return SekvMemory(store, params, shape, device)
 
+    def validate(self, store: TensorStore, params, shape: ModelShape, n_tokens: int) -> None:
+        """Every tensor SekvMemory / describe() read: dtypes, shapes against N / S / F and the model, spans inside the
+        document and disjoint, indices in range, ranks <= min(span length, d), and the factors' and codes' lengths."""
+        from ..pack import FLOATS, TensorSpec as T, check_tensors, model_dims
+
+        def bad(what: str):
+            return PackError(f"{what}; the pack is damaged or was not written by sekv, re-ingest the document")
+
+        L, N = shape.n_layers, n_tokens
+        choices = {"zoom": _ZOOMS, "tau_mode": TAU_MODES, "routing": ROUTINGS, "segmentation": SEGMENTATIONS, "weighting": ("surprisal", "mean"),
+                   "key_space": ("pre_rope", "post_rope"), "factor_bits": (4, 8), "value_bits": (3, 4), "scale_bits": (8, 16)}
+        for k, allowed in choices.items():
+            if k in params and params[k] not in allowed:
+                raise bad(f"parameter {k} is {params[k]!r}, not one of {', '.join(map(str, allowed))}")
+        dims = check_tensors(store, [T("sekv.config", ("int64",), (8,)), T("sekv.key_space", ("int64",), (1,), values=(0, 1))], model_dims(shape, N))
+        c = [int(x) for x in store.get("sekv.config").tolist()]
+        if c[:4] != [N, L, shape.n_kv_heads, shape.head_dim] or not (1 <= c[4] <= c[5] < 2**31 and 0 <= c[6] < 2**31 and 0 <= c[7] < 2**31):
+            raise bad("tensor 'sekv.config' does not match the document and model")
+        pre = int(store.get("sekv.key_space")[0]) == 1
+        f32 = ("float32",)
+        dims = check_tensors(store, [
+            T("sekv.rope_inv_freq", f32, (shape.head_dim // 2,), optional=not pre, finite=True),
+            T("sekv.rope_scaling", f32, (1,), optional=not pre, finite=True),
+            T("sekv.span_start", ("int64",), ("S",), values=(0, N - 1), increasing=True),
+            T("sekv.span_end", ("int64",), ("S",), values=(1, N), increasing=True),
+            T("sekv.full_idx", ("int64",), ("F",), values=(0, N - 1)),
+            T("sekv.anchor_idx", ("int64",), ("A",), values=(0, N - 1)),
+            *(T(f"sekv.{p}.{kv}.{{l}}", FLOATS, ("Hkv", n, "d"), finite=True) for p, n in (("full", "F"), ("coarse", "S")) for kv in "kv"),
+            T("sekv.router.w.{l}", FLOATS, ("Hw", "dr", "d"), finite=True),
+            T("sekv.router.norm.{l}", f32, ("Hw", "S"), finite=True),
+            T("sekv.router.tau", f32, ("L", "H"), finite=True),
+            T("sekv.router.ttau", f32, ("L", "H"), optional=True, finite=True),
+            T("sekv.router.tw.{l}", FLOATS, ("H", "*", "d"), optional=True, finite=True),
+            T("sekv.lex.terms", ("int32",), ("N",), optional=True, values=(-1, 2**31 - 1)),
+            T("sekv.scout.profile", f32, ("S",), optional=True, finite=True),
+            T("sekv.scout.profile_blocks", f32, ("B",), optional=True, finite=True),
+            T("sekv.scout.profile_unit", ("int64",), (1,), optional=True, values=(0, N)),
+            *(T(f"sekv.{k}.{{l}}.rank", ("int16",), ("Hkv", "S"), values=(0, shape.head_dim)) for k in ("fk", "fv")),
+        ], dims, L)
+        if dims["Hw"] not in (shape.n_heads, shape.n_kv_heads) or not 1 <= dims["dr"] <= 4096:
+            raise bad("the router's shape does not match the model")
+        start, end = store.get("sekv.span_start"), store.get("sekv.span_end")
+        n = end - start
+        if bool((n <= 0).any()) or bool((start[1:] < end[:-1]).any()) or dims["F"] + int(n.sum()) != N:
+            raise bad("the spans are empty, overlap, or do not cover the document with the full-resolution tokens")
+        if "sekv.router.tw.0" in set(store.keys()) and "sekv.router.ttau" not in set(store.keys()):
+            raise bad("tensor 'sekv.router.ttau' is missing")
+        names = set(store.keys())
+        hkv, d, T_ = shape.n_kv_heads, shape.head_dim, int(n.sum())
+        for i in range(L):
+            for kind in ("fk", "fv"):
+                p = f"sekv.{kind}.{i}"
+                r = store.get(f"{p}.rank").long()
+                if bool((r > n.view(1, -1)).any()):
+                    raise bad(f"tensor '{p}.rank' holds ranks above their span's length")
+                rs, n_us, n_vt = int(r.sum()), int((r * n.view(1, -1)).sum()), int(r.sum()) * d
+                cfg = None
+                if codec.CONFIG in names or codec.config_name("fv") in names:
+                    for cn in {codec.CONFIG, codec.config_name(kind)} & names:
+                        ct = store.get(cn)
+                        v = [int(x) for x in ct.tolist()] if ct.dtype == torch.int64 and ct.dim() == 1 and ct.numel() in (4, 5) else None
+                        if v is None or not (2 <= v[0] <= 4096 and v[0] % 2 == 0 and 0 <= v[1] < len(codec.LEVELS) and 0 <= v[2] < len(codec.ORDERS)
+                                             and 0 <= v[3] <= d and (len(v) == 4 or 0 <= v[4] < len(codec.SCALES))):
+                            raise bad(f"tensor '{cn}' is not a factor codec")
+                    cfg = codec.kind_config(store, names, kind)
+                if cfg is not None and f"{p}.{codec.code_names(cfg['levels'])[0]}" in names:
+                    b, g, lead = codec.bits_of(cfg["levels"]), cfg["group"], cfg["lead"]
+                    n_lead = int(torch.minimum(r, torch.tensor(lead)).sum()) * d
+                    m = n_vt - n_lead
+                    cu, mu, cv, mv = codec.code_names(cfg["levels"])
+                    want = {cu: (n_us * b + 7) // 8, mu: codec.n_groups(n_us, g), cv: (m * b + 7) // 8, mv: codec.n_groups(m, g)}
+                    specs = [T(f"{p}.{k}", ("uint8",), (v,)) for k, v in want.items()] + [T(f"{p}.vt.lead", ("int8",), (n_lead,))]
+                    if cfg["scales"] == "log8":
+                        specs += [T(f"{p}.us_scale.l8", ("uint8",), (hkv * T_,)), T(f"{p}.vt_scale.l8", ("uint8",), (rs,)),
+                                  *(T(f"{p}.{k}_scale.l8p", f32, (2,), finite=True) for k in ("us", "vt"))]
+                    else:
+                        specs += [T(f"{p}.us_scale", ("float16",), (hkv * T_,), finite=True), T(f"{p}.vt_scale", ("float16",), (rs,), finite=True)]
+                elif f"{p}.us_scale" in names:
+                    specs = [T(f"{p}.us", ("int8",), (n_us,)), T(f"{p}.vt", ("int8",), (n_vt,)),
+                             T(f"{p}.us_scale", ("float16",), (hkv * T_,), finite=True), T(f"{p}.vt_scale", ("float16",), (rs,), finite=True)]
+                else:
+                    specs = [T(f"{p}.us", FLOATS, (n_us,), finite=True), T(f"{p}.vt", FLOATS, (n_vt,), finite=True)]
+                check_tensors(store, specs, {})
+
     def describe(self, store: TensorStore, params) -> dict[str, Any]:
         cfg = _config(store)
         n, L, hkv, d = cfg["n_tokens"], cfg["n_layers"], cfg["n_kv_heads"], cfg["head_dim"]

@@ -172,11 +172,22 @@ class SentenceKVMethod(CacheMethod):
             out[f"sentencekv.v.{i}"] = v.contiguous()
         return out
 
+    def validate(self, store: TensorStore, params, shape: ModelShape, n_tokens: int) -> None:
+        from ..errors import PackError
+        from ..pack import FLOATS, TensorSpec as T, check_tensors, model_dims
+
+        dims = check_tensors(store, [T("sentencekv.bounds", ("int64",), ("B",), values=(0, n_tokens), increasing=True),
+                                     *(T(f"sentencekv.{kv}.{{l}}", FLOATS, ("Hkv", "N", "d"), finite=True) for kv in "kv"),
+                                     T("sentencekv.mean.{l}", FLOATS, ("Hkv", "S", "d"), finite=True)], model_dims(shape, n_tokens), shape.n_layers)
+        b = store.get("sentencekv.bounds")
+        if dims["B"] < 2 or dims["S"] != dims["B"] - 1 or int(b[0]) != 0 or int(b[-1]) != n_tokens or bool((b.diff() <= 0).any()):
+            raise PackError("tensor 'sentencekv.bounds' does not cut the document into its sentences; re-ingest the document")
+
     def open(self, store: TensorStore, params, shape: ModelShape, device) -> KVMemory:
         L = shape.n_layers
-        keys = [store.get(f"sentencekv.k.{i}") for i in range(L)]
-        values = [store.get(f"sentencekv.v.{i}") for i in range(L)]
-        means = [store.get(f"sentencekv.mean.{i}") for i in range(L)]
+        keys = [store.get(f"sentencekv.k.{i}").to(shape.dtype) for i in range(L)]
+        values = [store.get(f"sentencekv.v.{i}").to(shape.dtype) for i in range(L)]
+        means = [store.get(f"sentencekv.mean.{i}").to(shape.dtype) for i in range(L)]
         return SentenceMemory(keys, values, means, store.get("sentencekv.bounds"), float(params["budget"]), shape, device)
 
     def describe(self, store: TensorStore, params) -> dict[str, Any]:
