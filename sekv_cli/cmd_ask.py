@@ -19,7 +19,7 @@ from sekv_core.session import Session
 
 from .common import user_errors, BudgetOpt, QuietOpt, VerboseOpt, CompileOpt, DeviceOpt, MethodOpt, ModelOpt, RouterOpt, RoutingOpt, method_overrides
 from .display import err, human_bytes, kv_table, model_progress, out, safe, safe_line, stats_rows
-from .evidence import evidence_rows
+from sekv_core.evidence import evidence_rows
 
 
 def open_session(pack: Path, model, method, budget, device, quiet: bool, router: str | None = None, routing: str | None = None) -> Session:

@@ -17,7 +17,7 @@ from .chat_input import LineReader, history_path
 from .cmd_ask import SeedOpt, TemperatureOpt, TopPOpt, open_session, run_question
 from .common import user_errors, BudgetOpt, CompileOpt, DeviceOpt, MethodOpt, ModelOpt, QuietOpt, RouterOpt, RoutingOpt, VerboseOpt, method_overrides
 from .display import err, kv_table, safe, safe_line, stats_rows
-from .evidence import evidence_rows
+from sekv_core.evidence import evidence_rows
 
 HELP = """commands:
   /help            this text

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
-from sekv_cli.evidence import evidence_rows  # spans -> text and page (to move to sekv_core with the evidence work)
+from .evidence import evidence_rows
 
 from . import methods, models, prompt
 from .errors import SekvError

@@ -92,7 +92,7 @@ def test_model_output_is_escaped(monkeypatch, capsys):
     class FakeSession:
         method, params = "full", {}
 
-        def ask(self, question, history=(), max_new_tokens=1, on_text=None, on_step=None):
+        def ask(self, question, history=(), max_new_tokens=1, on_text=None, on_step=None, sampling=None):
             on_text("[red]boom[/] " + ESC + "[2J" + "\x07 \u202e")
             return FakeAnswer()
 

@@ -177,7 +177,7 @@ def mutate(rng: random.Random, manifest: dict, tensors: dict) -> tuple[dict, dic
 
 def exercise(path: Path, lm) -> str:
     """inspect, then ask (open + a one-token answer + its evidence): 'ok', or the PackError's class of message."""
-    from sekv_cli.evidence import evidence_rows
+    from sekv_core.evidence import evidence_rows
 
     try:
         inspect_pack(path)[0].close()
