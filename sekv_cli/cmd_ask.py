@@ -47,7 +47,7 @@ def answer_payload(session: Session, answer, question: str) -> dict:
         "pack": str(session.pack.path),
         "model": session.lm.model_id,
         "method": session.method,
-        "budget": session.params.get("budget"),
+        "budget": getattr(session.params, "budget", None),
         "timings": {"load_s": round(session.load_s, 4), "ttft_s": s["ttft_s"], "decode_s": s["decode_s"], "tokens_per_s": s["tokens_per_s"]},
         "tokens": {"document": session.base_tokens, "question": s["question_tokens"], "generated": s["generated_tokens"], "stop_reason": s["stop_reason"]},
         "memory": {
@@ -89,7 +89,7 @@ def run_question(session: Session, question: str, max_new_tokens: int, as_json: 
 
         answer = session.ask(question, history=history, max_new_tokens=max_new_tokens, on_text=emit)
         sys.stdout.write("\n")
-    err.print(kv_table("", stats_rows(answer.stats.as_dict(), session.method, session.params.get("budget"))))
+    err.print(kv_table("", stats_rows(answer.stats.as_dict(), session.method, getattr(session.params, "budget", None))))
     if show_evidence:
         extra = answer.stats.extra or {}
         rows = evidence_rows(session, extra.get("span_zoom_counts") or {}, span_order=extra.get("span_order"))

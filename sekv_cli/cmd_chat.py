@@ -57,7 +57,7 @@ def chat(
             if cmd == "/help":
                 err.print(HELP)
             elif cmd == "/stats":
-                err.print(kv_table("", stats_rows(last.stats.as_dict(), session.method, session.params.get("budget"))) if last else "no answer yet")
+                err.print(kv_table("", stats_rows(last.stats.as_dict(), session.method, getattr(session.params, "budget", None))) if last else "no answer yet")
             elif cmd == "/history" and arg in ("on", "off"):
                 history = arg == "on"
                 err.print(f"history {arg}")

@@ -26,7 +26,7 @@ def inspect(
     m["document"] = {k: v for k, v in m["document"].items() if k != "token_pages"}
     m.pop("tensors", None)
     m["file_bytes"] = p.size_bytes()
-    details = methods.get(p.method).describe(p, p.params) if p.method in methods.REGISTRY else {}
+    details = methods.get(p.method).describe(p, methods.get(p.method).resolve_params(p.params)) if p.method in methods.REGISTRY else {}
     m["method_stats"] = details
     if as_json:
         print(json.dumps(m))

@@ -102,10 +102,10 @@ def ingest(
     shape = result.shape
     raw_fp16 = len(ids) * shape.kv_bytes_per_token(itemsize=2)
     manifest = {
-        "format_version": FORMAT_VERSION if method != "full" else 1,
+        "format_version": FORMAT_VERSION,
         "sekv_version": __version__,
         "method": method,
-        "method_params": params,
+        "method_params": params.to_dict(),
         "model": {
             "id": lm.model_id,
             "fingerprint": lm.fingerprint,

@@ -30,8 +30,8 @@ import torch
 from .errors import PackError
 
 MAGIC = "SEKV-PACK"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (3,)
 _PLACEHOLDER = "0" * 64
 _META_KEY = "sekv"
 
@@ -145,7 +145,7 @@ def read_pack(path: Path, verify: bool = True) -> Pack:
                 newer = isinstance(version, int) and version > max(READABLE_VERSIONS)
                 raise PackError(
                     f"pack format version {version} is not supported (this sekv reads {', '.join(map(str, READABLE_VERSIONS))}); "
-                    + ("upgrade sekv" if newer else "re-ingest the document")
+                    + ("upgrade sekv" if newer else "re-ingest the document with this version")
                 )
             if verify and _hash_from(f, data_start) != manifest.get("data_sha256"):
                 raise PackError("checksum mismatch: the pack is damaged or truncated; re-ingest the document")
