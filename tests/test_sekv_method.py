@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 import transformers
 
 from sekv_core import methods, runtime
+from sekv_core.errors import SekvError
 from sekv_core.methods.base import GrowingKV
 from sekv_core.methods.full import FullMemory
 from sekv_core.pack import read_pack, write_pack
@@ -130,6 +132,29 @@ def test_no_zoom_is_close_to_but_not_full_kv():
     assert mem.step_stats().extra["zoom_spans_step"] == 0
 
 
+def test_packs_of_an_older_format_are_refused_in_one_line(tmp_path):
+    from sekv_core.errors import PackError
+
+    *_, store, p, _, _ = _setup("qwen2", n=300, min_span=10)
+    write_pack(tmp_path / "old.sekv", {"format_version": 2, "method": "sekv", "method_params": p.to_dict()}, dict(store))
+    with pytest.raises(PackError, match=r"format version 2 is not supported .*re-ingest the document with this version") as e:
+        read_pack(tmp_path / "old.sekv")
+    assert "\n" not in str(e.value)
+
+
+def test_params_round_trip_through_the_manifest_and_are_checked():
+    m = methods.get("sekv")
+    p = m.resolve_params({"budget": 0.2, "routing": "per_layer", "zoom_unit": 4})
+    assert m.resolve_params(json.loads(json.dumps(p.to_dict()))) == p
+    assert set(m.ask_time_params) == {"budget", "router", "routing", "profile_weight", "zoom_unit", "lexical_weight"}
+    with pytest.raises(SekvError, match="routing must be one of"):
+        m.resolve_params({"routing": "both"})
+    with pytest.raises(SekvError, match="has no parameter 'profile_clip'"):
+        m.resolve_params({"profile_clip": 2.0})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.budget = 0.5
+
+
 def test_pack_round_trip(tmp_path):
     model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=500, budget=0.15, min_span=10)
     path = write_pack(tmp_path / "t.sekv", {"format_version": 3, "method": "sekv", "method_params": p.to_dict()}, dict(store))
@@ -139,7 +164,7 @@ def test_pack_round_trip(tmp_path):
     for k, v in store.items():
         got = pack.get(k)
         assert got.dtype == v.dtype and torch.equal(got, v), k
-    mem2 = methods.get("sekv").open(pack, p, res.shape, "cpu")
+    mem2 = methods.get("sekv").open(pack, methods.get("sekv").resolve_params(pack.params), res.shape, "cpu")
     q = torch.randint(0, 300, (1, 5))
     a = runtime.forward_logits(model, q, mem.n_tokens(), mem)
     b = runtime.forward_logits(model, q, mem2.n_tokens(), mem2)
