@@ -15,7 +15,7 @@ Per rule, per-layer z-scores are summed over layers, and the document profile (t
 zoom unit) is subtracted with weights 0 / 0.25 / 0.5 / 0.75.  Printed: the rank (0 = first) of the best
 answer block under each, and how many contexts put it within the blocks the cap keeps.
 
-    python benchmarks/rank_study.py --param zoom_unit=16 --out docs/bench/rank-study-u16-qwen2.5-0.5b.json
+    python -m benchmarks.studies.rank_study --param zoom_unit=16 --out docs/bench/rank-study-u16-qwen2.5-0.5b.json
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from sekv_core.prefill import prefill
 from sekv_core.sekv import lexical, scout
 from sekv_core import runtime
 
-from route_diagnosis import needle_tokens
+from benchmarks.studies.needles import needle_tokens
 
 RULES = ("max", "content", "mean_head", "last")
 WEIGHTS = (0.0, 0.25, 0.5, 0.75)
@@ -98,13 +98,13 @@ def main() -> None:
         ids = torch.tensor(prompt.encode(tok, text))
         pre = prefill(model, ids, with_surprisal=True, capture=scores.capture_kinds(sekv.needs_scores), obs_window=sekv.obs_window(params))
         pre.scores.update(scores.text_scores(tok, text, ids.tolist(), sekv.needs_scores))
-        tensors = {k: v.cpu() for k, v in sekv.compress(pre, dict(params)).items()}
+        tensors = {k: v.cpu() for k, v in sekv.compress(pre, params).items()}
         mem = sekv.open(DictStore(tensors), params, shape, "cpu")
-        B = mem.n_blocks
-        blocks = ((mem.block_start < n1) & (mem.block_start + mem.block_len > n0)).nonzero().flatten()
+        B = mem.res.n_blocks
+        blocks = ((mem.res.block_start < n1) & (mem.res.block_start + mem.res.block_len > n0)).nonzero().flatten()
         block_of = torch.full((ids.numel(),), -1, dtype=torch.long)
         for b in range(B):
-            block_of[mem.block_start[b] : mem.block_start[b] + mem.block_len[b]] = b
+            block_of[mem.res.block_start[b] : mem.res.block_start[b] + mem.res.block_len[b]] = b
         suffix = prompt.question_suffix(tok, question)
         enc = tok(suffix, add_special_tokens=False, return_offsets_mapping=True)
         q0 = suffix.index(question)
@@ -145,10 +145,10 @@ def main() -> None:
             mem.prepare_question(lambda: runtime.forward_hidden(model, torch.tensor([qids]), mem.n_tokens(), mem))
         finally:
             scout.layer_mass = orig_mass
-        prof = mem.scout_profile if mem.scout_profile is not None else torch.zeros(B)
-        lex = lexical.Lexicon(lexical.document_terms(tok, text), mem.block_start, mem.block_len)
+        prof = mem.res.scout_profile if mem.res.scout_profile is not None else torch.zeros(B)
+        lex = lexical.Lexicon(lexical.document_terms(tok, text), mem.res.block_start, mem.res.block_len)
         lz = scout.zscore(lex.scores(question))
-        kept = int(mem._cap // (shape.n_kv_heads * mem.entry_bytes)) if mem._cap else 0  # tokens per group and layer
+        kept = int(mem.step.cap // (shape.n_kv_heads * mem.res.entry_bytes)) if mem.step.cap else 0  # tokens per group and layer
         ranks = {}
         variants = {}
         for (src, r), vs in per.items():
@@ -165,7 +165,7 @@ def main() -> None:
             pos[order] = torch.arange(B)
             best = int(pos[blocks].min()) if blocks.numel() else -1
             # tokens of the blocks ranked before the best answer block: does it fit the cap's tokens?
-            before = int(mem.block_len[order[:best]].sum()) if best >= 0 else -1
+            before = int(mem.res.block_len[order[:best]].sum()) if best >= 0 else -1
             ranks[key] = (best, before)
         row = {"context": name, "blocks": B, "answer_blocks": blocks.tolist(), "cap_tokens": kept, "ranks": ranks}
         rows.append(row)

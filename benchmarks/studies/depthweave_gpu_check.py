@@ -2,8 +2,8 @@
 
 Run from the repository root (torch with CUDA + triton needed; nothing is downloaded):
 
-    python benchmarks/depthweave_gpu_check.py            # all checks, ~1-2 minutes on an H200
-    python benchmarks/depthweave_gpu_check.py --quick    # correctness only, smaller shapes
+    python -m benchmarks.studies.depthweave_gpu_check            # all checks, ~1-2 minutes on an H200
+    python -m benchmarks.studies.depthweave_gpu_check --quick    # correctness only, smaller shapes
 
 1. Correctness: for several shapes (Qwen2.5-0.5B-like, Llama-3-8B-like, odd sizes, no
    residual, no RoPE, all levels / only level 0) random DepthWeave codes are attended by
@@ -30,11 +30,10 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 
 def fail_env(msg: str) -> None:
@@ -51,9 +50,9 @@ try:
 except Exception as e:  # pragma: no cover
     fail_env(f"triton / the fused kernel cannot be imported: {e!r}")
 
-from sekv_core.depthweave import attention as at  # noqa: E402
-from sekv_core.depthweave import codec  # noqa: E402
-from sekv_core.depthweave import quantize as qz  # noqa: E402
+from sekv_core.depthweave import attention as at
+from sekv_core.depthweave import codec
+from sekv_core.depthweave import quantize as qz
 
 DEV = torch.device("cuda")
 LEVEL_GROUPS = torch.tensor([0, 1, 2, 4])

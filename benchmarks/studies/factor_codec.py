@@ -4,7 +4,7 @@
 full-resolution tokens, coarse entries, router tensors, the rest) and the pack / raw fp16 KV ratio.
 Reads the packs with safetensors only.
 
-``errors``: the measurement of benchmarks/rope_factors.py (a ~4K-token essay prefix in sekv's chat
+``errors``: the measurement of benchmarks/studies/rope_factors.py (a ~4K-token essay prefix in sekv's chat
 prompt, a question's post-RoPE queries, sekv's segmentation at b = 0.10; errors over the compressed
 spans only), with the default rank rule (energy 0.99 / 0.99, pre-RoPE keys, rank <= 32) and the
 factors stored as int8 (today's packs) or through the codec.  Per variant: factor bytes / raw fp16
@@ -22,10 +22,10 @@ factor_bits (one shared prefill), with the defaults and each further set of inte
 ``--set .v4s16:value_bits=4,scale_bits=16``, the storage of ``sekv:4bit-factors``).
 
 Usage:
-    python benchmarks/factor_codec.py essay 4000 /tmp/pg4k.txt
-    python benchmarks/factor_codec.py packs sample_docs/halden_hx40_manual.pdf /tmp/pg4k.txt --out /tmp/fc
-    python benchmarks/factor_codec.py breakdown /tmp/fc/*.sekv
-    python benchmarks/factor_codec.py errors [--model qwen2.5-0.5b] [--tokens 4096] [--variants ...]
+    python -m benchmarks.studies.factor_codec essay 4000 /tmp/pg4k.txt
+    python -m benchmarks.studies.factor_codec packs sample_docs/halden_hx40_manual.pdf /tmp/pg4k.txt --out /tmp/fc
+    python -m benchmarks.studies.factor_codec breakdown /tmp/fc/*.sekv
+    python -m benchmarks.studies.factor_codec errors [--model qwen2.5-0.5b] [--tokens 4096] [--variants ...]
 """
 
 from __future__ import annotations
@@ -33,18 +33,16 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rope_factors import DEFAULTS, attn, load_case  # noqa: E402
+from benchmarks.studies.rope_factors import DEFAULTS, attn, load_case
 
-from sekv_core.sekv import codec, rope  # noqa: E402
-from sekv_core.sekv import factorize as fz  # noqa: E402
-from sekv_core.sekv.segment import auto_lengths, segment  # noqa: E402
+from sekv_core.sekv import codec, rope
+from sekv_core.sekv import factorize as fz
+from sekv_core.sekv.segment import auto_lengths, segment
 
 _SIZES = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8}
 GROUPS = [
@@ -111,8 +109,8 @@ def breakdown(paths: list[Path]) -> None:
 
 
 def essay(n_tokens: int, out: Path, model: str) -> None:
-    """The first n_tokens model tokens of pg_essays/worked.txt as a text file (the 4K / 8K documents of docs/sekv.md §7)."""
-    from rope_factors import ESSAYS
+    """The first n_tokens model tokens of pg_essays/worked.txt as a text file (the 4K / 8K documents of docs/experiments/sekv-notebook.md §7)."""
+    from benchmarks.studies.rope_factors import ESSAYS
 
     from sekv_core import models
 

@@ -40,9 +40,9 @@ Tables (positional, any number):
   --config JSON  (repeatable) extra configurations for the attention-error table
 
 Usage:
-    python benchmarks/depthweave_eval.py budgets windows choices --cache /tmp/dw_eval
-    python benchmarks/depthweave_eval.py e2e hx40 --cache /tmp/dw_eval
-    python benchmarks/depthweave_eval.py --config '{"budget": 0.25, "rank_k": 24}'
+    python -m benchmarks.studies.depthweave_eval budgets windows choices --cache /tmp/dw_eval
+    python -m benchmarks.studies.depthweave_eval e2e hx40 --cache /tmp/dw_eval
+    python -m benchmarks.studies.depthweave_eval --config '{"budget": 0.25, "rank_k": 24}'
 
 Results print as Markdown rows (and, with --jsonl FILE, one JSON object per
 configuration).  The prefill + question records are cached under --cache (~60 MB).
@@ -52,26 +52,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
-from sekv_core import methods, models, prompt, runtime  # noqa: E402
-from sekv_core.depthweave import attention as dw_attention  # noqa: E402
-from sekv_core.depthweave import codec  # noqa: E402
-from sekv_core.errors import SekvError  # noqa: E402
-from sekv_core.generate import generate  # noqa: E402
-from sekv_core.methods.base import GrowingKV, PrefillResult  # noqa: E402
-from sekv_core.methods.full import FullMemory  # noqa: E402
-from sekv_core.methods import scores  # noqa: E402
-from sekv_core.prefill import prefill  # noqa: E402
-from sekv_core.sekv import rope  # noqa: E402
+from sekv_core import methods, models, prompt, runtime
+from sekv_core.depthweave import attention as dw_attention
+from sekv_core.depthweave import codec
+from sekv_core.errors import SekvError
+from sekv_core.generate import generate
+from sekv_core.methods.base import GrowingKV, PrefillResult
+from sekv_core.methods.full import FullMemory
+from sekv_core.methods import scores
+from sekv_core.prefill import prefill
+from sekv_core.sekv import rope
 
 ESSAYS = ROOT / "shared" / "data" / "haystack" / "pg_essays"
 if not ESSAYS.is_dir():

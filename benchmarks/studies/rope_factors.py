@@ -14,7 +14,7 @@ for the compressed spans only (anchors / sinks / window are exact):
 * int8 factors versus float16; Gram-eigh versus torch.linalg.svd timing.
 
 Usage:
-    python benchmarks/rope_factors.py [--model qwen2.5-0.5b] [--tokens 4096] [--cache /tmp/sekv_bench]
+    python -m benchmarks.studies.rope_factors [--model qwen2.5-0.5b] [--tokens 4096] [--cache /tmp/sekv_bench]
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ from sekv_core.methods.base import GrowingKV, ModelShape
 from sekv_core.methods.full import FullMemory
 from sekv_core.prefill import prefill
 from sekv_core.sekv import rope
-from sekv_core.methods.sekv import SekvMethod
+from sekv_core.sekv.params import SekvParams
 from sekv_core.sekv.factorize import factorize, reconstruct_all, single_thread
 from sekv_core.sekv.segment import auto_lengths, segment
 
-ESSAYS = Path(__file__).resolve().parents[1] / "shared" / "data" / "haystack" / "pg_essays"
+ESSAYS = Path(__file__).resolve().parents[2] / "shared" / "data" / "haystack" / "pg_essays"
 if not ESSAYS.is_dir():
     ESSAYS = Path("/work/shared/data/haystack/pg_essays")
-DEFAULTS = SekvMethod.default_params
+DEFAULTS = SekvParams.defaults()
 QUESTION = "What did the author work on before college, and what did he think of it?"
 
 

@@ -13,10 +13,10 @@ average pooling; StreamingLLM 4 sinks), which we pass to our methods as paramete
 kvpress 0.5.x needs transformers < 5.3, so it runs in its own virtualenv, as a
 subprocess of this script (the `--kvpress-worker` mode, which imports only torch,
 transformers and kvpress); the two sides exchange JSON files.  Setup:
-benchmarks/README_kvpress.md.
+benchmarks/studies/README_kvpress.md.
 
-    /work/venv/bin/python benchmarks/crosscheck_kvpress.py --out /tmp/crosscheck
-    /work/venv/bin/python benchmarks/crosscheck_kvpress.py --model smollm2-135m --tokens 2000
+    /work/venv/bin/python -m benchmarks.studies.crosscheck_kvpress --out /tmp/crosscheck
+    /work/venv/bin/python -m benchmarks.studies.crosscheck_kvpress --model smollm2-135m --tokens 2000
 
 Our side calls prefill(capture=...) once per prompt, then each method's compress() and
 open() and the decode loop directly: the same code as `sekv ingest` + `sekv ask`,
@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUNS = [("snapkv", 0.5), ("snapkv", 0.9), ("streamingllm", 0.5), ("streamingllm", 0.9)]
 KVPRESS_SNAPKV = {"window": 64, "kernel": 5, "pooling": "avg"}  # kvpress SnapKVPress defaults
 KVPRESS_STREAMING = {"sinks": 4}

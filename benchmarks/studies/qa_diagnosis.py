@@ -11,7 +11,7 @@ compressed as `sekv ingest --method sekv --budget B` does.  Per question, on the
 and where the answer's span stood in the scout's ranking, and how many spans each KV group could
 keep under the cap.
 
-    python benchmarks/qa_diagnosis.py --budget 0.1 --out docs/bench/qa-diagnosis-qwen2.5-0.5b.json
+    python -m benchmarks.studies.qa_diagnosis --budget 0.1 --out docs/bench/qa-diagnosis-qwen2.5-0.5b.json
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from sekv_core.methods.base import DictStore, ModelShape
 from sekv_core.methods import scores
 from sekv_core.prefill import prefill
 
-from route_diagnosis import needle_tokens
+from benchmarks.studies.needles import needle_tokens
 
 
 def main() -> None:
@@ -69,16 +69,16 @@ def main() -> None:
         mem = sekv.open(DictStore(tensors), params, shape, "cpu")
         all_mem = sekv.open(DictStore(tensors), sekv.resolve_params({"budget": a.budget, **extra, "zoom": "all"}), shape, "cpu")
         base = mem.n_tokens()
-        print(f"{doc}: {ids.numel()} tokens, {mem.n_spans} spans, prefill+compress {time.perf_counter() - t0:.0f} s, pack tensors / raw KV {pack_ratio:.4f}", flush=True)
+        print(f"{doc}: {ids.numel()} tokens, {mem.res.n_spans} spans, prefill+compress {time.perf_counter() - t0:.0f} s, pack tensors / raw KV {pack_ratio:.4f}", flush=True)
         for n, q, answers in qs:
             hit = next((x for x in answers if re.search(re.escape(x), text, re.IGNORECASE)), None)
             spans, blocks = [], []
             if hit is not None:
                 c0 = re.search(re.escape(hit), text, re.IGNORECASE).start()
                 n0, n1 = needle_tokens(tok, text, text[c0 : c0 + len(hit)])
-                spans = ((mem.span_start < n1) & (mem.span_end > n0)).nonzero().flatten().tolist()
+                spans = ((mem.res.span_start < n1) & (mem.res.span_end > n0)).nonzero().flatten().tolist()
                 # the zoom blocks holding the answer (= its spans when zoom_unit is 0)
-                blocks = ((mem.block_start < n1) & (mem.block_start + mem.block_len > n0)).nonzero().flatten().tolist()
+                blocks = ((mem.res.block_start < n1) & (mem.res.block_start + mem.res.block_len > n0)).nonzero().flatten().tolist()
             qids = prompt.encode(tok, prompt.question_suffix(tok, q))
             ranks, kept = {}, {}
             orig = mem.prepare_question
@@ -86,17 +86,17 @@ def main() -> None:
             def ask(memory, force: bool = False) -> str:
                 def prep(forward, question=None):
                     orig(forward, question)
-                    ranks["rank"] = [int((memory.shared_prio > memory.shared_prio[i]).sum()) for i in blocks]
+                    ranks["rank"] = [int((memory.ranking.prio > memory.ranking.prio[i]).sum()) for i in blocks]
                     if force and blocks:
-                        memory.shared_prio[blocks] = 1e4
+                        memory.ranking.prio[blocks] = 1e4
 
                 if memory is mem:
                     memory.prepare_question = prep
                 out, _ = generate(model, memory, qids, max_new_tokens=32, stop_ids=stop, question=q)
                 if memory is mem:
-                    held = [h for h in memory._held if h is not None]
+                    held = [h for h in memory.step.held if h is not None]
                     kept["per_group"] = round(sum(int(h[0].sum()) for h in held) / max(1, len(held) * shape.n_kv_heads), 2)  # zoom blocks
-                    kept["tokens_per_group"] = round(sum(int((h[0].long() * memory.block_len).sum()) for h in held) / max(1, len(held) * shape.n_kv_heads), 1)
+                    kept["tokens_per_group"] = round(sum(int((h[0].long() * memory.res.block_len).sum()) for h in held) / max(1, len(held) * shape.n_kv_heads), 1)
                     kept["answer_kept"] = bool(blocks) and all(bool(h[0][:, blocks].all()) for h in held) if held else False
                     memory.prepare_question = orig
                 memory.truncate(base)
@@ -116,7 +116,7 @@ def main() -> None:
                 return any(re.search(r"\b" + re.escape(x) + r"\b", s, re.IGNORECASE) for x in answers)
 
             row = {"doc": doc, "q": n, "question": q, "expected": answers, "answer_spans": spans, "answer_blocks": blocks,
-                   "answer_span_tokens": [int(mem.span_len[i]) for i in spans], "scout_rank": scout_rank,
+                   "answer_span_tokens": [int(mem.res.span_len[i]) for i in spans], "scout_rank": scout_rank,
                    "spans_kept_per_group": scout_kept.get("per_group"), "tokens_kept_per_group": scout_kept.get("tokens_per_group"), "answer_kept_every_layer": scout_kept.get("answer_kept"),
                    "answers": ans, "correct": {k: ok(v) for k, v in ans.items()}}
             rows.append(row)
