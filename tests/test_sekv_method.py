@@ -145,7 +145,7 @@ def test_packs_of_an_older_format_are_refused_in_one_line(tmp_path):
 def test_params_round_trip_through_the_manifest_and_are_checked():
     m = methods.get("sekv")
     p = m.resolve_params({"budget": 0.2, "routing": "per_layer", "zoom_unit": 4})
-    assert m.resolve_params(json.loads(json.dumps(p.to_dict()))) == p
+    assert m.resolve_params(json.loads(json.dumps(p.to_dict()))) == p and m.resolve_params(p) == p  # ingest resolves again
     assert set(m.ask_time_params) == {"budget", "router", "routing", "profile_weight", "zoom_unit", "lexical_weight"}
     with pytest.raises(SekvError, match="routing must be one of"):
         m.resolve_params({"routing": "both"})

@@ -39,8 +39,11 @@ class Params:
         return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("ask_time"))
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any] | None, method: str = "") -> "Params":
-        """Defaults overridden by ``values`` (None values ignored), each converted to its field's type."""
+    def from_dict(cls, values: "Mapping[str, Any] | Params | None", method: str = "") -> "Params":
+        """Defaults overridden by ``values`` (None values ignored), each converted to its field's type; ``values``
+        may be parameters already resolved."""
+        if isinstance(values, Params):
+            values = values.to_dict()
         defaults = cls.defaults()
         method = method or cls.method
         kw = {}
