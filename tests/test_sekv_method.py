@@ -287,9 +287,8 @@ def test_cuda_compress_with_a_prefaulted_arena():
 
 
 def test_trained_router_is_read_from_its_file_not_the_pack(tmp_path, monkeypatch):
-    """Packs do not copy the trained router's W (1.38 MB for qwen2.5-0.5b): it is read from the router file the pack
-    records (path + sha256) and gives the logits of a pack that holds the copy (the format before 2026-12-01).
-    A changed file at the recorded path is a swapped-in router (router.load's rule); a missing one is found among the
+    """Packs do not copy the trained router's W (1.38 MB for qwen2.5-0.5b): the pack records the router file's sha256
+    and W is read from that file (rounded through float16). A changed file at the recorded path is a swapped-in router (router.load's rule); a missing one is found among the
     shipped routers by its sha256, else the pack does not open (PackError, one line)."""
     from sekv_core.errors import PackError
     from sekv_core.sekv import router_file
