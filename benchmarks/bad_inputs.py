@@ -1,6 +1,6 @@
 """The bad-input matrix of docs/reliability.md: every case is a real `sekv` process, as a user runs it.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bad_inputs.py > /tmp/matrix.md
+    PYTHONPATH=. .venv/bin/python -m benchmarks.bad_inputs > /tmp/matrix.md
 
 Uses the embedded smollm2-135m (installed) on the CPU.  For every case it records the exit code, the first line of
 stderr, whether a traceback appeared, and the case's own check (nothing overwritten, no temporary file left, no pip

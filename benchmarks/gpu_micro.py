@@ -6,7 +6,7 @@
   fixed-stride blocks straight from pinned host memory (sekv/blocks.py: the UVA view);
 * device -> host of pack-sized data (2 GiB): into fresh ordinary memory, and page-locking + copying.
 
-    python benchmarks/gpu_micro.py [--eig-only]
+    python -m benchmarks.gpu_micro [--eig-only]
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sekv_core.sekv import blocks, factorize as fz  # noqa: E402
+from sekv_core.sekv import blocks, factorize as fz
 
 
 def timed(fn, reps=3):

@@ -12,7 +12,7 @@ every step and layer, the pessimistic case where every step refetches.
 
 One call through the device tool (writes JSON under $OUT; docs/gpu.md has the numbers):
 
-    python benchmarks/gpu_scale.py --configs llama3-8b,qwen2.5-0.5b --contexts 8192,32768,65536,131072 \
+    python -m benchmarks.gpu_scale --configs llama3-8b,qwen2.5-0.5b --contexts 8192,32768,65536,131072 \
         --steps 32 --repeats 3 --prefault-arena --out "$OUT"
 
 Per configuration: a plain transformers prefill (SDPA, last logits only); `full` = our prefill hook
@@ -35,18 +35,16 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sekv_core import methods, runtime  # noqa: E402
-from sekv_core.methods.base import DictStore, ModelShape  # noqa: E402
-from sekv_core.methods.full import FullMemory  # noqa: E402
-from sekv_core.prefill import prefill  # noqa: E402
+from sekv_core import methods, runtime
+from sekv_core.methods.base import DictStore, ModelShape
+from sekv_core.methods.full import FullMemory
+from sekv_core.prefill import prefill
 
 CONFIGS = {
     "llama3-8b": dict(arch="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -187,25 +185,25 @@ def scout_answer(mem, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
 
     def per_answer():
-        mem.shared_prio.copy_(torch.randn(mem.n_blocks, generator=g))  # a ranking of the zoom blocks
-        mem.prio_version += 1
-        mem._scout_pending = True
+        mem.ranking.prio.copy_(torch.randn(mem.res.n_blocks, generator=g))  # a ranking of the zoom blocks
+        mem.ranking.version += 1
+        mem.ranking.pending = True
 
     return per_answer
 
 
 class stage_timers:
-    """Wall time per compress stage (sekv_core/methods/sekv.py's calls into its stage modules), synchronising the
+    """Wall time per compress stage (sekv_core/sekv/compress.py's calls into the other stage modules), synchronising the
     compute stream around each call; "to host" is what is left of the device->host copies after the last layer."""
 
     def __enter__(self):
-        from sekv_core.methods import sekv as sm
+        from sekv_core.sekv import compress as sm
 
         self.times: dict[str, float] = {}
         self.saved = []
         targets = [(sm, "segment", "segment"), (sm, "weighted_means", "summaries"), (sm.router, "pca_init", "router PCA"),
                    (sm.router, "span_norms", "router norms"), (sm.rope, "undo", "RoPE undo"), (sm.fz, "factorize", "factorize (SVD + pack)"),
-                   (sm.fz, "_decompose", "  of which Gram + eigensolver"), (sm, "_to_host", "to host")]
+                   (sm.fz, "_decompose", "  of which Gram + eigensolver"), (sm, "to_host", "to host")]
         for mod, name, label in targets:
             if not hasattr(mod, name):
                 continue
@@ -230,7 +228,7 @@ class stage_timers:
 
 def force_zoom_rate(rate: float, seed: int = 0):
     """Replace the router's gate logits by random ones whose share above tau is `rate` (see module doc)."""
-    from sekv_core.methods import sekv as sekv_method
+    from sekv_core.sekv import residents as sekv_method
 
     torch.manual_seed(seed)  # the default CUDA generator: its draws are replayed fresh by captured CUDA graphs
     real = sekv_method.router.gate_logits
@@ -344,9 +342,7 @@ def main() -> None:
                 t = time.perf_counter()
                 mem = method.open(store, params, shape, "cuda")
                 if getattr(mem, "batched", False):  # build the host factor blocks now rather than in the first step
-                    from sekv_core.sekv.decode import BatchedDecoder
-
-                    mem._dec = BatchedDecoder(mem)
+                    mem._step()
                 torch.cuda.synchronize()
                 row["sekv_open_s"] = time.perf_counter() - t
                 gc.collect()
@@ -369,8 +365,8 @@ def main() -> None:
                 row["sekv_h2d_bytes_per_step"] = st.get("h2d_bytes_step")
                 row["sekv_zoom_spans_step"] = st.get("zoom_spans_step")
                 row["sekv_budget_bytes"] = st.get("budget_bytes")
-                row["sekv_spans"], row["sekv_blocks"] = mem.n_spans, mem.n_blocks
-                dec = getattr(mem, "_dec", None)
+                row["sekv_spans"], row["sekv_blocks"] = mem.res.n_spans, mem.res.n_blocks
+                dec = getattr(mem, "step", None)
                 if dec is not None:
                     row["sekv_batched"] = True
                     row["sekv_uva_fetch"] = dec.uva

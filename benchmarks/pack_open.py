@@ -1,7 +1,7 @@
 """Opening a large pack: format 2 (sha256 over the whole file at every open) against format 3 (header checksum at
 open, each tensor's sha256 when it is first read), on a synthetic `full`-layout pack.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/pack_open.py --gb 1.5
+    PYTHONPATH=. .venv/bin/python -m benchmarks.pack_open --gb 1.5
 
 The format 2 reader is the one of commit 63e746e (git show), run from a temporary module.  The pack file is
 written just before it is read, so both read from the page cache (as an ask right after ingest, or a second ask).

@@ -5,7 +5,7 @@ Measures, for one document:
   * `ask` time to first token from the pack (question tokens only) vs re-prefilling document + question;
   * pack bytes per token.
 
-    python benchmarks/pack_vs_prefill.py --model qwen2.5-0.5b --doc sample_docs/halden_hx40_manual.pdf --method full
+    python -m benchmarks.pack_vs_prefill --model qwen2.5-0.5b --doc sample_docs/halden_hx40_manual.pdf --method full
 """
 
 from __future__ import annotations

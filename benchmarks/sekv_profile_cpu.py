@@ -6,8 +6,8 @@ random ones with --zoom-rate of (query head, span) pairs above the threshold, re
 step (as benchmarks/gpu_scale.py does).  Single intra-op thread.  Each stage function is
 wrapped with a wall-clock timer; the decode numbers are per generated token (all layers).
 
-    python benchmarks/sekv_profile_cpu.py --tokens 8192                # the reference step
-    python benchmarks/sekv_profile_cpu.py --tokens 8192 --batched      # the batched step (sekv/decode.py)
+    python -m benchmarks.sekv_profile_cpu --tokens 8192                # the reference step
+    python -m benchmarks.sekv_profile_cpu --tokens 8192 --batched      # the batched step (sekv/gpu_step.py)
 """
 
 from __future__ import annotations
@@ -15,18 +15,16 @@ from __future__ import annotations
 import argparse
 import collections
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sekv_core import methods, runtime  # noqa: E402
-from sekv_core.methods import sekv as sm  # noqa: E402
-from sekv_core.prefill import prefill  # noqa: E402
-from sekv_core.sekv import attention, blocks, decode  # noqa: E402
+from sekv_core import methods, runtime
+from sekv_core.sekv import compress as sm
+from sekv_core.prefill import prefill
+from sekv_core.sekv import blocks, cpu_step, gpu_step, residents, rope
 
 T: dict[str, float] = collections.defaultdict(float)
 C: collections.Counter = collections.Counter()
@@ -84,18 +82,18 @@ def main() -> None:
     T.clear()
     C.clear()
     shift = -2.0 - math.sqrt(2) * torch.erfinv(torch.tensor(1 - 2 * a.zoom_rate)).item()
-    sm.router.gate_logits = lambda q, w, kbar, inv_norm, log_n: torch.randn(q.shape[0], q.shape[1], kbar.shape[1]) + shift
+    residents.router.gate_logits = lambda q, w, kbar, inv_norm, log_n: torch.randn(q.shape[0], q.shape[1], kbar.shape[1]) + shift
     mem = m.open(Store(out), p, res.shape, "cpu")
     mem.batched = a.batched
     if a.batched:
-        targets = [(decode.router, "gate_logits", "gate logits"), (decode, "route", "route"), (decode, "select_topk", "budget cap (top-P)"),
+        targets = [(residents.router, "gate_logits", "gate logits"), (residents, "route", "route"), (gpu_step, "select_topk", "budget cap (top-P)"),
                    (blocks, "fetch", "fetch (one gather)"), (blocks, "unpack", "unpack (views, dequantise)"),
-                   (decode, "flat_attention", "attention (flat slots)"), (decode.BatchedDecoder, "_core", "attend total")]
+                   (gpu_step, "flat_attention", "attention (flat slots)"), (gpu_step.BatchedStep, "_core", "attend total")]
     else:
-        targets = [(sm.router, "gate_logits", "gate logits"), (sm, "route", "route"), (sm, "select", "budget cap"),
-                   (sm.fz, "gather", "CPU gather of factors"), (sm.fz, "expand", "dequantise + reconstruct"), (sm.rope, "apply", "RoPE redo"),
-                   (sm, "place", "place per group"), (sm, "build_mask", "build mask"), (sm, "mixed_attention", "SDPA"),
-                   (sm.SekvMemory, "_account", "accounting (.cpu)"), (sm.SekvMemory, "_attend", "attend total")]
+        targets = [(residents.router, "gate_logits", "gate logits"), (residents, "route", "route"), (cpu_step, "select", "budget cap"),
+                   (cpu_step.fz, "gather", "CPU gather of factors"), (cpu_step.fz, "expand", "dequantise + reconstruct"), (rope, "apply", "RoPE redo"),
+                   (cpu_step, "place", "place per group"), (cpu_step, "build_mask", "build mask"), (cpu_step, "mixed_attention", "SDPA"),
+                   (cpu_step.CpuStep, "_account", "accounting"), (cpu_step.CpuStep, "attend", "attend total")]
     for mod, name, label in targets:
         wrap(mod, name, label)
     tok = torch.tensor([[11]])
@@ -107,7 +105,7 @@ def main() -> None:
         runtime.forward_hidden(model, tok, mem.n_tokens(), mem)
     td = (time.perf_counter() - t) / a.steps
     st = mem.step_stats().extra
-    print(f"decode ({'batched' if a.batched else 'reference'} step): {td * 1000:.1f} ms/token, {mem.n_spans} spans, "
+    print(f"decode ({'batched' if a.batched else 'reference'} step): {td * 1000:.1f} ms/token, {mem.res.n_spans} spans, "
           f"{st['zoom_spans_step']} zoomed, {st['h2d_bytes_step']} factor bytes/step")
     for k, v in T.items():
         print(f"  {k:30s} {v / a.steps * 1000:7.2f} ms/token ({C[k] // a.steps}/token)")

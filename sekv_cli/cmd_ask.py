@@ -109,7 +109,7 @@ def run_question(
         sys.stdout.write("\n")
     if quiet:
         return answer
-    rows = stats_rows(answer.stats.as_dict(), session.method, session.params.get("budget"))
+    rows = stats_rows(answer.stats.as_dict(), session.method, getattr(session.params, "budget", None))
     err.print(kv_table("", rows + ([sampling_row(sampling)] if not sampling.greedy else [])))
     if show_evidence:
         extra = answer.stats.extra or {}

@@ -142,17 +142,17 @@ def chat(
                 if cmd == "/help":
                     err.print(Text(HELP.format(history=history_path())))
                 elif cmd == "/stats":
-                    err.print(kv_table("", stats_rows(last.stats.as_dict(), last_session.method, last_session.params.get("budget"))) if last else "no answer yet")
+                    err.print(kv_table("", stats_rows(last.stats.as_dict(), last_session.method, getattr(last_session.params, "budget", None))) if last else "no answer yet")
                 elif cmd == "/sources":
                     show_sources(last_session, last)
                 elif cmd == "/budget":
                     if not arg:
-                        b = session.params.get("budget")
+                        b = getattr(session.params, "budget", None)
                         say(f"budget {b:.0%}" if isinstance(b, float) else f"method {session.method} has no budget")
                     else:
                         overrides = overrides | {"budget": parse_budget(arg)}
                         session = retune(session, overrides)
-                        say(f"budget {session.params['budget']:.0%} from the next question on")
+                        say(f"budget {session.params.budget:.0%} from the next question on")
                 elif cmd == "/save":
                     save(reader, session, exchanges, arg)
                 elif cmd == "/history" and arg in ("on", "off"):
@@ -172,6 +172,6 @@ def chat(
         except SekvError as e:
             say(("error: ", "red"), safe_line(str(e)))
             continue
-        exchanges.append(transcript.Exchange(line, last.text, session.method, session.params.get("budget"), last.stats.generated_tokens))
+        exchanges.append(transcript.Exchange(line, last.text, session.method, getattr(session.params, "budget", None), last.stats.generated_tokens))
         if history:
             turns.append(Turn(line, last.text))

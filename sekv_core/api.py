@@ -119,7 +119,7 @@ def result_of(session: Session, answer: Answer, question: str, sampling: Samplin
         pack=str(session.pack.path),
         model=session.lm.model_id,
         method=session.method,
-        budget=session.params.get("budget"),
+        budget=getattr(session.params, "budget", None),
         sampling=sampling,
     )
 
@@ -192,7 +192,7 @@ class Pack:
 
     path = property(lambda self: self.session.pack.path)
     method = property(lambda self: self.session.method)
-    budget = property(lambda self: self.session.params.get("budget"))
+    budget = property(lambda self: getattr(self.session.params, "budget", None))
     model = property(lambda self: self.session.lm.model_id)
     n_tokens = property(lambda self: self.session.base_tokens)
     document = property(lambda self: self.session.pack.manifest["document"]["name"])

@@ -14,6 +14,7 @@ from .documents import Document, load_document
 from .errors import DocumentError, stage
 from .methods import scores
 from .methods.base import ModelShape
+from .methods.params import Params
 from .pack import prepare_output, write_pack
 from .prefill import DEFAULT_CHUNK, prefill
 
@@ -32,7 +33,7 @@ class IngestResult:
     write_s: float
     total_s: float
     method: str
-    params: dict[str, Any]
+    params: Params
 
 
 def default_pack_path(doc: Path) -> Path:
@@ -115,7 +116,7 @@ def ingest(
         manifest = {
             "sekv_version": __version__,
             "method": method,
-            "method_params": params,
+            "method_params": params.to_dict(),
             "model": {
                 "id": lm.model_id,
                 "fingerprint": lm.fingerprint,

@@ -41,9 +41,10 @@ import torch
 from .errors import PackError, SekvError
 
 MAGIC = "SEKV-PACK"
-#: 3: manifest and tensor table under a header checksum, per-tensor sha256 (packs before: one data checksum)
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (3,)
+#: 4: manifest and tensor table under a header checksum, per-tensor sha256, method parameters written from
+#: their typed dataclasses (sekv_core/methods/params.py); older packs are refused with one line (re-ingest)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (4,)
 SUFFIX = ".sekv"
 _META_KEY = "sekv"
 _HEADER_SUM_KEY = "sekv_header_sha256"

@@ -8,7 +8,6 @@ same forward's logits (the LM head is applied in row blocks so the
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Sequence
 
 import torch
@@ -66,15 +65,3 @@ def prefill(
     scores = memory.export() if capture else {}
     return PrefillResult(ids[0].cpu(), keys, values, surprisal if with_surprisal else None, shape, scores=scores,
                          model_fingerprint=str(getattr(model, "sekv_fingerprint", "")), model_id=str(getattr(model, "sekv_model_id", "")))
-
-
-def plain_prefill_seconds(model_dir, token_ids: torch.Tensor, dtype, device="cpu") -> float:
-    """Reference timing: one plain transformers forward (SDPA, DynamicCache, all logits)."""
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(device).eval()
-    ids = token_ids.view(1, -1).to(device)
-    t = time.perf_counter()
-    with torch.inference_mode():
-        m(ids, use_cache=True)
-    return time.perf_counter() - t

@@ -7,12 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from . import methods, models, prompt
 import contextlib
 
+from . import methods, models, prompt
 from .errors import PackError, SekvError
 from .generate import DecodeStats, TextStream, generate
 from .methods.base import KVMemory, ModelShape
+from .methods.params import Params
 from .pack import Pack, check_manifest, check_model, manifest_shape, read_pack
 from .sampling import Sampler, Sampling
 
@@ -27,7 +28,7 @@ class Answer:
 class Session:
     """A pack + its model + a runtime memory; every ask starts from the pack's state."""
 
-    def __init__(self, pack: Pack, lm: models.LoadedModel, method: str, params: dict[str, Any], memory: KVMemory, load_s: float):
+    def __init__(self, pack: Pack, lm: models.LoadedModel, method: str, params: Params, memory: KVMemory, load_s: float):
         self.pack, self.lm, self.method, self.params, self.memory, self.load_s = pack, lm, method, params, memory, load_s
         self.base_tokens = memory.n_tokens()
         self.stop_ids = prompt.stop_token_ids(lm.tokenizer, getattr(lm.model, "generation_config", None))
@@ -98,7 +99,7 @@ class Session:
         return Answer(text, ids, stats)
 
 
-def resolve_method(pack: Pack, method: str | None, params: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+def resolve_method(pack: Pack, method: str | None, params: dict[str, Any] | None) -> tuple[str, Params]:
     """The pack's method, or an ask-time override that the pack's tensors support."""
     stored = pack.method
     if stored not in methods.REGISTRY:
@@ -107,19 +108,15 @@ def resolve_method(pack: Pack, method: str | None, params: dict[str, Any] | None
     m = methods.get(chosen)  # an unknown --method: one line naming the valid ones
     if chosen != stored and chosen not in getattr(methods.get(stored), "derivable", ()):  # e.g. a sekv pack read as `full`
         raise SekvError(f"this pack was ingested with --method {stored}; --method {chosen} needs a pack made with it (sekv ingest --method {chosen})")
-    stored_params = pack_params(pack)
-    try:
-        methods.get(stored).resolve_params(stored_params)
-    except (SekvError, TypeError, ValueError) as e:
-        raise PackError(f"{pack.path}: the pack's method parameters are invalid ({e}); re-ingest the document") from None
-    merged = dict(stored_params) if chosen == stored else {}
+    recorded = stored_params(pack).to_dict()
+    merged = dict(recorded) if chosen == stored else {}
     for k, v in (params or {}).items():
         if v is None:
             continue
         if chosen == stored and k not in m.ask_time_params:
             raise SekvError(f"--{k} cannot be changed at ask time for method '{chosen}'; re-ingest with it")
         merged[k] = v
-    if chosen == stored and "router" not in (params or {}) and not _recorded_router_ok(merged):
+    if chosen == stored and "router" not in (params or {}) and not _recorded_router_ok(pack, merged):
         merged["router"] = "auto"  # a router file the pack names is read only when it is the one it was made with
     try:
         return chosen, m.resolve_params(merged)
@@ -149,27 +146,37 @@ def pack_params(pack: Pack) -> dict[str, Any]:
     return out
 
 
-def _recorded_router_ok(params: dict[str, Any]) -> bool:
-    """A router named by path in a pack is used only if that file's sha256 is the one recorded with it."""
+def _recorded_router_ok(pack: Pack, params: dict[str, Any]) -> bool:
+    """A router named by path in a pack is used only if that file's sha256 is the one the pack records."""
     spec = params.get("router")
-    if not isinstance(spec, str) or spec in ("auto", "untrained", "pack", ""):
+    if not isinstance(spec, str) or spec in ("auto", "untrained", ""):
         return True
     p = Path(spec).expanduser()
     try:
         if not p.is_file():
             return True  # the shipped routers are searched by sha256 (sekv/router.py trained_file)
-        from .sekv import router_file
+        from .sekv import layout, router_file
 
-        return router_file.file_sha256(p) == params.get("router_sha256")
+        return router_file.file_sha256(p) == layout.router_sha256(pack, set(pack.keys()))
     except OSError:
         return False
+
+
+def stored_params(pack: Pack):
+    """The pack's method parameters, typed (sekv_core/methods/params.py); PackError where they are not valid."""
+    try:
+        return methods.get(pack.method).resolve_params(pack_params(pack))
+    except (SekvError, TypeError, ValueError) as e:
+        if isinstance(e, PackError):
+            raise
+        raise PackError(f"{pack.path}: the pack's method parameters are invalid ({e}); re-ingest the document") from None
 
 
 def check_pack_tensors(pack: Pack, shape: ModelShape) -> None:
     """The stored method's tensor checks (CacheMethod.validate), before any of its tensors is used."""
     with loading(pack, "check"):
         try:
-            methods.get(pack.method).validate(pack, pack_params(pack), shape, pack.n_tokens())
+            methods.get(pack.method).validate(pack, stored_params(pack), shape, pack.n_tokens())
         except PackError as e:
             msg = str(e)
             raise PackError(msg if msg.startswith(str(pack.path)) else f"{pack.path}: {msg}") from None
@@ -194,7 +201,7 @@ def inspect_pack(path: str | Path) -> tuple[Pack, dict[str, Any]]:
     check_manifest(pack)
     if pack.method not in methods.REGISTRY:
         raise PackError(f"{pack.path}: made with cache method {pack.method!r}, which this sekv does not have ({', '.join(methods.REGISTRY)})")
-    params = pack_params(pack)
+    params = stored_params(pack)
     check_pack_tensors(pack, manifest_shape(pack))
     with loading(pack, "inspect"):
         return pack, methods.get(pack.method).describe(pack, params)

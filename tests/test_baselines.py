@@ -84,7 +84,7 @@ def test_matrix_ingest_and_ask(method, budget, lm, doc, tmp_path):
     pack = tmp_path / f"{method}.sekv"
     r = ingest(doc, pack, lm=lm, method=method, params={"budget": budget}, chunk=128)
     session = Session.open(pack, lm=lm)
-    assert session.method == method and session.params["budget"] == budget
+    assert session.method == method and session.params.budget == budget
     ans = session.ask(QUESTION, max_new_tokens=MAX_NEW)
     assert ans.stats.generated_tokens > 0 and ans.stats.stop_reason
     n_doc = r.n_tokens
@@ -94,7 +94,7 @@ def test_matrix_ingest_and_ask(method, budget, lm, doc, tmp_path):
     assert session.memory.n_tokens() == n_doc  # truncated back to the pack state
     assert session.ask(QUESTION, max_new_tokens=MAX_NEW).token_ids == ans.token_ids
     p = read_pack(pack)
-    info = methods.get(method).describe(p, p.params)
+    info = methods.get(method).describe(p, methods.get(method).resolve_params(p.params))
     assert info["doc_tokens"] == n_doc
 
 

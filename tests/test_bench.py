@@ -18,6 +18,7 @@ from sekv_core.bench import report, runner, scoring, tasks
 from sekv_core.bench.tasks import Probe
 from sekv_core.methods.base import CacheMethod, GrowingKV, ModelShape, StepStats
 from sekv_core.methods.full import FullMemory
+from sekv_core.methods.params import BudgetParams
 
 cli = CliRunner()
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
@@ -70,13 +71,13 @@ class FakeWindow(CacheMethod):
     """A tiny budgeted method for the harness tests (keeps token 0 and the last budget*N tokens)."""
 
     name = "fakewin"
-    default_params = {"budget": 0.1}
+    params_type = BudgetParams
     compress_calls = 0
 
     def compress(self, prefill, params):
         FakeWindow.compress_calls += 1
         n = prefill.n_tokens
-        keep = max(2, int(params["budget"] * n))
+        keep = max(2, int(params.budget * n))
         idx = torch.cat([torch.tensor([0]), torch.arange(n - keep + 1, n)])
         out = {"fw.n": torch.tensor([n])}
         for i, (k, v) in enumerate(zip(prefill.keys, prefill.values)):

@@ -384,12 +384,12 @@ def test_ingest_ask_inspect_end_to_end(tiny_qwen, tmp_path):
     budget = round(lo + 0.4 * (hi - lo), 4)
     r = ingest(SAMPLE_MD, pack, lm=lm, method="depthweave", params={**params, "budget": budget}, chunk=128)
     p = read_pack(pack)
-    assert p.manifest["format_version"] == 3 and p.manifest["method"] == "depthweave"
+    assert p.manifest["format_version"] == 4 and p.manifest["method"] == "depthweave"
     names = p.keys()
     assert names and all(n.startswith("depthweave.") for n in names)
     assert {"depthweave.basis.k.0", "depthweave.coef.v.1", "depthweave.res.k.0", "depthweave.res_scale.v.1"} <= set(names)
     assert p.get("depthweave.coef.k.0").dtype == torch.int8 and p.get("depthweave.res.k.0").dtype == torch.uint8
-    stats = METHOD.describe(p, p.params)
+    stats = METHOD.describe(p, METHOD.resolve_params(p.params))
     assert stats["resident_reduction_vs_raw_fp16"] > 1 and stats["pack_reduction_vs_raw_fp16"] > 1
     assert math.isclose(sum(stats["level_shares"].values()), 1.0, abs_tol=1e-3) and stats["level_shares"]["0"] > 0
     session = Session.open(pack, lm=lm)

@@ -100,9 +100,16 @@ def test_unsupported_version(tmp_path, monkeypatch):
     path = tmp_path / "x.sekv"
     monkeypatch.setattr(packmod, "FORMAT_VERSION", 99)
     packmod.write_pack(path, _manifest(), _tensors())
-    monkeypatch.setattr(packmod, "FORMAT_VERSION", 3)
+    monkeypatch.undo()
     with pytest.raises(PackError, match="version 99.*upgrade sekv"):
         packmod.read_pack(path)
+    assert packmod.FORMAT_VERSION == 4 and packmod.READABLE_VERSIONS == (4,)
+    three = tmp_path / "three.sekv"  # format 3: this integrity format with the method parameters of before
+    monkeypatch.setattr(packmod, "FORMAT_VERSION", 3)
+    packmod.write_pack(three, _manifest(), _tensors())
+    monkeypatch.undo()
+    with pytest.raises(PackError, match=r"version 3 is older than this sekv reads \(4\); re-ingest the document$"):
+        packmod.read_pack(three)
     old = tmp_path / "old.sekv"  # a format 2 pack: the data checksum in its manifest, no header checksum
     from safetensors.torch import save_file
 

@@ -17,14 +17,15 @@ from sekv_core.errors import SekvError
 from sekv_core.generate import generate
 from sekv_core.methods.base import GrowingKV
 from sekv_core.methods.full import FullMemory
-from sekv_core.methods.sekv import ABLATIONS, apply_tau_mode
+from sekv_core.sekv.params import ABLATIONS
+from sekv_core.sekv.residents import apply_tau_mode
 from sekv_core.prefill import prefill
 from sekv_core.sekv import router
 from sekv_core.sekv.segment import fixed_segment, segment
 
 SEKV = methods.get("sekv")
 #: the ablations the current parameters support (untrained-router needs the `router` parameter)
-RUNNABLE = [a for a, ov in ABLATIONS.items() if all(k in SEKV.default_params for k in ov)]
+RUNNABLE = [a for a, ov in ABLATIONS.items() if all(k in SEKV.default_params for k in ov.overrides)]
 
 
 class Store(dict):
@@ -133,7 +134,7 @@ def test_global_tau_is_one_threshold_everywhere():
     assert abs(float(glob.tau[0, 0]) - float(1 / (1 + torch.exp(-logit_mean)))) < 1e-6
     assert torch.allclose(glob.logit_tau(), torch.full_like(tau, float(logit_mean)), atol=1e-5)
     with pytest.raises(SekvError):
-        apply_tau_mode(rt, "per_layer")
+        SEKV.resolve_params({"tau_mode": "per_layer"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,7 +164,7 @@ def test_each_ablation_answers_end_to_end(tiny_case, ablation):
     p = SEKV.resolve_params(variants.parse(f"sekv:{ablation}").params(0.2))
     store = Store(SEKV.compress(res, p))
     mem = SEKV.open(store, p, res.shape, "cpu")
-    assert mem.n_spans > 3
+    assert mem.res.n_spans > 3
     ids, stats = generate(model, mem, [5, 6, 7, 8], max_new_tokens=5, stop_ids=set())
     assert len(ids) == 5 and stats.resident_kv_bytes_peak <= 0.2 * stats.full_kv_bytes * 1.05 + 4096
     starts, ends = store["sekv.span_start"], store["sekv.span_end"]
@@ -178,7 +179,7 @@ def test_each_ablation_answers_end_to_end(tiny_case, ablation):
     if ablation == "no-svd":
         assert mem.step_stats().extra["zoom_spans_total"] == 0
     if ablation == "global-tau":
-        assert torch.all(mem.logit_tau == mem.logit_tau[0, 0])
+        assert torch.all(mem.res.logit_tau == mem.res.logit_tau[0, 0])
 
 
 @pytest.mark.parametrize("ablation", ["fixed-chunks", "no-anchors", "mean-pool"])
@@ -187,13 +188,13 @@ def test_ablated_segmentation_is_still_exact_at_full_expansion(tiny_case, ablati
     model, res = tiny_case
     exact = {"zoom": "all", "budget": 1.0, "energy_k": 1.0, "energy_v": 1.0, "rank_max": 64, "factors_8bit": False,
              "factor_dtype": "float32", "min_span": 8, "window": 16}
-    p = SEKV.resolve_params({**exact, **ABLATIONS[ablation]})
+    p = SEKV.resolve_params({**exact, **ABLATIONS[ablation].overrides})
     mem = SEKV.open(Store(SEKV.compress(res, p)), p, res.shape, "cpu")
     full = FullMemory(GrowingKV.from_tensors(res.keys, res.values, "cpu"), res.shape)
     q = torch.randint(0, 300, (1, 7), generator=torch.Generator().manual_seed(2))
     a = runtime.forward_logits(model, q, mem.n_tokens(), mem, last_only=False)
     b = runtime.forward_logits(model, q, full.n_tokens(), full, last_only=False)
-    assert mem.n_spans > 5
+    assert mem.res.n_spans > 5
     assert torch.allclose(a, b, atol=2e-4, rtol=1e-4), (a - b).abs().max()
 
 
@@ -206,7 +207,7 @@ def test_variant_specs():
     assert v.label == "sekv:fixed-chunks:chunk=64:anchors=off" and v.method == "sekv"
     assert v.overrides == {"segmentation": "fixed", "chunk": 64.0, "anchors": False} and v.ablations == ("fixed-chunks",)
     assert v.params(0.1) == {**v.overrides, "budget": 0.1}
-    assert SEKV.resolve_params(v.params(0.1))["anchors"] is False
+    assert SEKV.resolve_params(v.params(0.1)).anchors is False
     assert variants.parse("sekv").overrides == {} and variants.parse("full").label == "full"
     for bad, needle in (("sekv:nope=1", "no parameter 'nope'"), ("sekv:budget=0.2", "--budgets"), ("sekv:no-such", "ablations"),
                         ("sekv:anchors=maybe", "true or false"), ("sekv:rank_max=x", "number"), ("nope:zoom=none", "nope")):

@@ -193,8 +193,8 @@ def test_factor_round_trip_3bit_log8():
 def test_factor_bits_parameter():
     m = methods.get("sekv")
     d = m.resolve_params({})
-    assert (d["factor_bits"], d["value_bits"], d["scale_bits"]) == (4, 3, 8)
-    assert m.resolve_params({"factor_bits": "8"})["factor_bits"] == 8
+    assert (d.factor_bits, d.value_bits, d.scale_bits) == (4, 3, 8)
+    assert m.resolve_params({"factor_bits": "8"}).factor_bits == 8
     with pytest.raises(SekvError, match="factor_bits"):
         m.resolve_params({"factor_bits": 3})
     with pytest.raises(SekvError, match="value_bits"):
@@ -225,13 +225,13 @@ def test_4bit_pack_round_trip_and_full_expansion(tmp_path):
     assert codec.CONFIG in store4 and codec.parse_config(store4[codec.CONFIG]) == dict(codec.DEFAULT, scales="fp16")
     assert store4[codec.CONFIG].numel() == 4  # the same config tensor as packs made before value_bits / scale_bits
     path = tmp_path / "q4.sekv"
-    write_pack(path, {"format_version": 2, "method": "sekv", "method_params": p4}, dict(store4))
+    write_pack(path, {"method": "sekv", "method_params": p4.to_dict()}, dict(store4))
     pack = read_pack(path)
     for k, v in store4.items():
         assert torch.equal(pack.get(k), v), k
     mem4 = m.open(pack, p4, res.shape, "cpu")
     # decoded factors are int8 like the 8-bit memory's, with identical ranks and scales
-    for (f4, _), (f8, _) in zip(mem4.factors, mem8.factors):
+    for (f4, _), (f8, _) in zip(mem4.res.factors, mem8.res.factors):
         assert f4.us.dtype == f8.us.dtype == torch.int8 and f4.us.shape == f8.us.shape
         assert torch.equal(f4.rank, f8.rank) and torch.equal(f4.us_scale, f8.us_scale)
         assert not torch.equal(f4.us, f8.us)  # the code is lossy here: the test below is not vacuous
@@ -257,9 +257,9 @@ def test_4bit_pack_round_trip_and_full_expansion(tmp_path):
     assert "sekv.fk.0.us.q4" in stored and "sekv.fv.0.us.q3" in stored and "sekv.fk.0.us_scale" not in stored
     assert codec.parse_config(stored[codec.config_name("fv")])["levels"] == "nf3"
     path = tmp_path / "q3.sekv"
-    write_pack(path, {"format_version": 2, "method": "sekv", "method_params": pd}, dict(stored))
+    write_pack(path, {"method": "sekv", "method_params": pd.to_dict()}, dict(stored))
     memd = m.open(read_pack(path), pd, res.shape, "cpu")
-    for (fd, _), (f8, _) in zip(memd.factors, mem8.factors):
+    for (fd, _), (f8, _) in zip(memd.res.factors, mem8.res.factors):
         assert fd.us.dtype == torch.int8 and torch.equal(fd.rank, f8.rank) and fd.us_scale.dtype == torch.float16
     lv3 = codec.LEVELS["nf3"]
     b3 = 127 * float((lv3[1:] - lv3[:-1]).max()) / 2 + 0.5
@@ -273,38 +273,25 @@ def test_4bit_pack_round_trip_and_full_expansion(tmp_path):
     assert "values 3-bit nf3" in dd["factors"] and "log8" in dd["factors"] and dd["pack_tensor_bytes"] < d4["pack_tensor_bytes"]
 
 
-def test_int8_packs_without_the_parameter_still_load(tmp_path):
-    """A pack written before factor_bits existed: plain us / vt tensors, no factor_bits in its parameters."""
-    model, _, ids, res, store, p, mem, full = _setup("qwen2", n=500, budget=0.15, min_span=10, factor_bits=8)
-    old = {k: v for k, v in p.items() if k != "factor_bits"}
-    assert "sekv.fk.0.us" in store and codec.CONFIG not in store
-    write_pack(tmp_path / "old.sekv", {"format_version": 2, "method": "sekv", "method_params": old}, dict(store))
-    pack = read_pack(tmp_path / "old.sekv")
-    mem2 = methods.get("sekv").open(pack, old, res.shape, "cpu")
-    q = torch.randint(0, 300, (1, 5))
-    assert torch.equal(runtime.forward_logits(model, q, mem.n_tokens(), mem), runtime.forward_logits(model, q, mem2.n_tokens(), mem2))
-    assert methods.get("sekv").describe(pack, old)["factors"] == "int8"
-
-
 def test_float_factors_ignore_factor_bits():
     """factor_bits codes int8 factors only: float factors (the exactness tests' setting) stay float."""
     *_, store, p, mem, _ = _setup("qwen2", n=300, min_span=8, factors_8bit=False, factor_dtype="float32")
-    assert p["factor_bits"] == 4 and codec.CONFIG not in store and store["sekv.fk.0.us"].dtype == torch.float32
+    assert p.factor_bits == 4 and codec.CONFIG not in store and store["sekv.fk.0.us"].dtype == torch.float32
 
 
 def test_default_packs_are_coded_and_8bit_is_an_ablation():
     from sekv_core.bench import variants
-    from sekv_core.methods.sekv import ABLATIONS
+    from sekv_core.sekv.params import ABLATIONS
 
     *_, store, p, mem, _ = _setup("qwen2", n=300, min_span=8)
     assert "sekv.fk.0.us.q4" in store and "sekv.fk.0.us" not in store
     assert "sekv.fv.0.us.q3" in store and "sekv.fv.0.vt_scale.l8" in store
-    assert ABLATIONS["8bit-factors"] == {"factor_bits": 8}
+    assert ABLATIONS["8bit-factors"].overrides == {"factor_bits": 8}
     v = variants.parse("sekv:8bit-factors")
-    assert methods.get("sekv").resolve_params(v.params(0.1))["factor_bits"] == 8
-    assert ABLATIONS["4bit-factors"] == {"value_bits": 4, "scale_bits": 16}
+    assert methods.get("sekv").resolve_params(v.params(0.1)).factor_bits == 8
+    assert ABLATIONS["4bit-factors"].overrides == {"value_bits": 4, "scale_bits": 16}
     p4 = methods.get("sekv").resolve_params(variants.parse("sekv:4bit-factors").params(0.1))
-    assert (p4["factor_bits"], p4["value_bits"], p4["scale_bits"]) == (4, 4, 16)
+    assert (p4.factor_bits, p4.value_bits, p4.scale_bits) == (4, 4, 16)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -327,14 +314,14 @@ def test_cuda_compress_4bit():
     m = methods.get("sekv")
     p = m.resolve_params({"budget": 0.2, "min_span": 10, "factor_bits": 4})
     m.reserve_host(res.n_tokens, res.shape, p)
-    store = Store(m.compress(res, dict(p)))
+    store = Store(m.compress(res, p))
     assert "sekv.fk.0.us.q4" in store and all(t.device.type == "cpu" for t in store.values())
     cpu_model = tiny("qwen2")
     cpu_model.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
     runtime.install(cpu_model)
     mem = m.open(store, p, res.shape, "cpu")
     gmem = m.open(store, p, res.shape, "cuda")
-    for (fa, _), (fg, _) in zip(mem.factors, gmem.factors):  # decoded on the GPU at open: the CPU's int8 factors
+    for (fa, _), (fg, _) in zip(mem.res.factors, gmem.res.factors):  # decoded on the GPU at open: the CPU's int8 factors
         assert fg.us.device.type == "cpu" and torch.equal(fa.us, fg.us) and torch.equal(fa.vt, fg.vt)
     gmem.batched = False  # the reference step (the batched step reads the same int8 factors: tests/test_sekv_decode.py)
     x = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(3))

@@ -1,4 +1,4 @@
-"""The batched, sync-free decode step (sekv/decode.py, sekv/blocks.py) against the reference step and full KV."""
+"""The batched, sync-free decode step (sekv/gpu_step.py, sekv/fixed_set.py, sekv/blocks.py) against the reference step and full KV."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sekv_core import methods, runtime
-from sekv_core.sekv import attention, blocks, decode
+from sekv_core.sekv import attention, blocks, gpu_step
 from sekv_core.sekv import factorize as fz
 
 from test_sekv_method import EXACT, _setup
@@ -38,22 +38,18 @@ def test_batched_full_expansion_equals_full_kv(kind, key_space):
     q = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(2))
     _agree(model, q, mem, full, tol=2e-4, rtol=1e-4)
     st = mem.step_stats().extra
-    assert st["zoom_spans_step"] == mem.n_spans and st["zoom_rate_per_layer"] == [1.0, 1.0]
+    assert st["zoom_spans_step"] == mem.res.n_spans and st["zoom_rate_per_layer"] == [1.0, 1.0]
 
 
 def _same_cap(monkeypatch):
     """Give the batched step exactly the reference step's cap (nothing counted beyond the reference's persistent
     part, no reserve for later tokens), so that both keep the same spans."""
 
-    def now_only(self, n_appended):
-        m = self.mem
-        if m.budget is None or m.zoom == "all":
-            return None
-        full = m.n_doc * m.shape.kv_bytes_per_token()  # b x the document's KV; the appended tail is on top
-        persistent = m.n_base * self.hkv * m.entry_bytes * self.L + m.router_bytes
-        return max(0, int(m.budget * full) - persistent) // self.L // m.entry_bytes
+    def reference_cap(self):
+        cap = self.ledger.layer_cap()  # the one rule both steps share, without the batched step's own tables
+        return None if cap is None else cap // self.res.entry_bytes
 
-    monkeypatch.setattr(decode.BatchedDecoder, "_slots_for", now_only)
+    monkeypatch.setattr(gpu_step.BatchedStep, "_slots", reference_cap)
 
 
 @pytest.mark.parametrize("extra", [{}, {"factors_8bit": False}, {"key_space": "post_rope"}, {"head_masks": False}])
@@ -65,7 +61,7 @@ def test_batched_step_equals_reference_step_under_the_cap(monkeypatch, extra):
     q = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(3))
     _agree(model, q, mem, mem2, tol=1e-5, rtol=1e-5)
     x, y = mem.step_stats().extra, mem2.step_stats().extra
-    assert 0 < x["zoom_spans_total"] < mem.n_spans  # the cap binds
+    assert 0 < x["zoom_spans_total"] < mem.res.n_spans  # the cap binds
     for k in ("zoom_spans_step", "zoom_spans_total", "span_zoom_counts", "budget_bytes"):
         assert x[k] == y[k], k
     assert x["zoom_rate_per_layer"] == pytest.approx(y["zoom_rate_per_layer"])
@@ -83,14 +79,14 @@ def test_batched_never_exceeds_budget_and_counts_its_buffers(routing):
     sizes, zoomed = set(), 0
     for _ in range(300):  # past the tail's reserved capacity (256)
         runtime.forward_logits(model, q[:, :1], mem.n_tokens(), mem)
-        sizes.add(mem._dec.U)
+        sizes.add(mem.step.U)
         st = mem.step_stats()
         zoomed = max(zoomed, st.extra["zoom_spans_step"])
         assert st.resident_bytes - st.extra["appended_bytes"] <= st.extra["budget_bytes"]
         assert st.extra["appended_bytes"] == (mem.n_tokens() - 2000) * mem.shape.kv_bytes_per_token()
         # resident = the whole memory on the device: tokens, router, block tables, slot buffers at capacity
         assert st.resident_bytes == mem.resident_bytes()
-    dec = mem._dec
+    dec = mem.step
     assert max(sizes) > 0 and dec.resident_bytes() > dec.table_bytes
     if routing == "per_layer":  # the appended tail is outside the document's budget: the slot buffers keep their size
         assert len(sizes) == 1
@@ -144,7 +140,7 @@ def test_blocks_fetch_unpack_reconstruct_like_the_packed_gather(int8):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_batched_and_graphed_steps_match_cpu_reference(monkeypatch):
-    """On CUDA: the batched step (UVA fetch), eager and as captured per-layer graphs, against the CPU reference."""
+    """On CUDA: the batched step (UVA fetch) against the CPU reference."""
     _same_cap(monkeypatch)
     from test_sekv_method import tiny
 
@@ -153,14 +149,9 @@ def test_cuda_batched_and_graphed_steps_match_cpu_reference(monkeypatch):
         gpu_model = tiny("qwen2").cuda()
         gpu_model.load_state_dict(model.state_dict())
         runtime.install(gpu_model)
-        mems = []
-        for graphs in (False, True):
-            gm = methods.get("sekv").open(store, p, res.shape, "cuda")
-            assert gm.batched
-            gm._dec = decode.BatchedDecoder(gm)
-            gm._dec.graphs_on = graphs
-            assert gm._dec.uva
-            mems.append(gm)
+        gm = methods.get("sekv").open(store, p, res.shape, "cuda")
+        assert gm.batched
+        mems = [gm]
         q = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(3))
         a = runtime.forward_logits(model, q, mem.n_tokens(), mem, last_only=False)
         for k, gm in enumerate(mems):
@@ -171,8 +162,8 @@ def test_cuda_batched_and_graphed_steps_match_cpu_reference(monkeypatch):
             a = runtime.forward_logits(model, nxt, mem.n_tokens(), mem)
             for k, gm in enumerate(mems):
                 b = runtime.forward_logits(gpu_model, nxt.cuda(), gm.n_tokens(), gm).cpu()
-                assert torch.allclose(a, b, atol=2e-3, rtol=1e-3), (params, "graphs" if k else "eager", step, (a - b).abs().max())
-        assert all(x is not None for x in mems[1]._dec.graphs)
+                assert torch.allclose(a, b, atol=2e-3, rtol=1e-3), (params, step, (a - b).abs().max())
+        assert gm.step.uva
         x = mem.step_stats().extra
         for gm in mems:
             y = gm.step_stats().extra

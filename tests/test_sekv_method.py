@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -10,9 +11,10 @@ import torch
 import transformers
 
 from sekv_core import methods, runtime
+from sekv_core.errors import SekvError
 from sekv_core.methods.base import GrowingKV
 from sekv_core.methods.full import FullMemory
-from sekv_core.pack import read_pack, write_pack
+from sekv_core.pack import FORMAT_VERSION, read_pack, write_pack
 from sekv_core.prefill import prefill
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,7 +67,7 @@ def _setup(kind: str, n: int = 400, **params):
 @pytest.mark.parametrize("key_space", ["pre_rope", "post_rope"])
 def test_full_expansion_equals_full_kv(kind, key_space):
     model, ref, ids, res, store, p, mem, full = _setup(kind, key_space=key_space, **EXACT)
-    assert mem.n_spans > 5 and mem.pre_rope == (key_space == "pre_rope")
+    assert mem.res.n_spans > 5 and mem.res.pre_rope == (key_space == "pre_rope")
     q = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(2))
     a = runtime.forward_logits(model, q, mem.n_tokens(), mem, last_only=False)
     b = runtime.forward_logits(model, q, full.n_tokens(), full, last_only=False)
@@ -79,7 +81,7 @@ def test_full_expansion_equals_full_kv(kind, key_space):
         b = runtime.forward_logits(model, nxt, full.n_tokens(), full)
         assert torch.allclose(a, b, atol=2e-4, rtol=1e-4)
     st = mem.step_stats()
-    assert st.extra["zoom_spans_step"] == mem.n_spans
+    assert st.extra["zoom_spans_step"] == mem.res.n_spans
     assert st.extra["zoom_rate_per_layer"] == [1.0, 1.0]
 
 
@@ -96,14 +98,14 @@ def test_router_path_stats_truncate_and_spans():
     assert x["zoom_spans_total"] >= x["zoom_spans_step"] >= 0
     assert x["h2d_bytes_total"] >= x["h2d_bytes_step"] >= 0
     assert len(x["zoom_rate_per_layer"]) == 2 and all(0 <= r <= 1 for r in x["zoom_rate_per_layer"])
-    assert all(0 <= int(k) < mem.n_spans and v > 0 for k, v in x["span_zoom_counts"].items())
+    assert all(0 <= int(k) < mem.res.n_spans and v > 0 for k, v in x["span_zoom_counts"].items())
     # the budget is b x the document's full KV; the 8 appended tokens are resident on top, reported apart
     assert x["budget_bytes"] == int(0.2 * n0 * mem.shape.kv_bytes_per_token())
     assert x["appended_bytes"] == 8 * mem.shape.kv_bytes_per_token()
     assert st.resident_bytes - x["appended_bytes"] <= x["budget_bytes"] or st.resident_bytes == mem.resident_bytes()
     assert mem.n_tokens() == n0 + 8
     spans = mem.spans()
-    assert len(spans) == mem.n_spans and all(0 <= a < b <= 600 for a, b in spans)
+    assert len(spans) == mem.res.n_spans and all(0 <= a < b <= 600 for a, b in spans)
     # truncate drops appended tokens; this ask's stats stay readable until the next forward
     mem.truncate(n0)
     assert mem.n_tokens() == n0
@@ -111,7 +113,7 @@ def test_router_path_stats_truncate_and_spans():
     runtime.forward_logits(model, q[:, :1], mem.n_tokens(), mem)  # a new ask: its stats start from zero
     y = mem.step_stats().extra
     assert y["zoom_spans_total"] == y["zoom_spans_step"]
-    assert sum(y["span_zoom_counts"].values()) <= 2 * 4 * mem.n_spans  # one step: at most every (layer, head, span)
+    assert sum(y["span_zoom_counts"].values()) <= 2 * 4 * mem.res.n_spans  # one step: at most every (layer, head, span)
     # after truncation the answer is reproducible: same logits for the same tokens
     mem.truncate(n0)
     l1 = runtime.forward_logits(model, q, mem.n_tokens(), mem)
@@ -130,24 +132,50 @@ def test_no_zoom_is_close_to_but_not_full_kv():
     assert mem.step_stats().extra["zoom_spans_step"] == 0
 
 
+def test_packs_of_an_older_format_are_refused_in_one_line(tmp_path, monkeypatch):
+    from sekv_core import pack as packmod
+    from sekv_core.errors import PackError
+
+    *_, store, p, _, _ = _setup("qwen2", n=300, min_span=10)
+    monkeypatch.setattr(packmod, "FORMAT_VERSION", 3)  # the integrity format with the untyped parameters of before
+    write_pack(tmp_path / "old.sekv", {"method": "sekv", "method_params": p.to_dict()}, dict(store))
+    monkeypatch.undo()
+    with pytest.raises(PackError, match=r"format version 3 is older than this sekv reads \(4\); re-ingest the document") as e:
+        read_pack(tmp_path / "old.sekv")
+    assert "\n" not in str(e.value)
+
+
+def test_params_round_trip_through_the_manifest_and_are_checked():
+    m = methods.get("sekv")
+    p = m.resolve_params({"budget": 0.2, "routing": "per_layer", "zoom_unit": 4})
+    assert m.resolve_params(json.loads(json.dumps(p.to_dict()))) == p and m.resolve_params(p) == p  # ingest resolves again
+    assert set(m.ask_time_params) == {"budget", "router", "routing", "profile_weight", "zoom_unit", "lexical_weight"}
+    with pytest.raises(SekvError, match="routing must be one of"):
+        m.resolve_params({"routing": "both"})
+    with pytest.raises(SekvError, match="has no parameter 'profile_clip'"):
+        m.resolve_params({"profile_clip": 2.0})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.budget = 0.5
+
+
 def test_pack_round_trip(tmp_path):
     model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=500, budget=0.15, min_span=10)
-    path = write_pack(tmp_path / "t.sekv", {"format_version": 2, "method": "sekv", "method_params": p}, dict(store))
+    path = write_pack(tmp_path / "t.sekv", {"method": "sekv", "method_params": p.to_dict()}, dict(store))
     pack = read_pack(tmp_path / "t.sekv")
-    assert pack.manifest["format_version"] == 3
+    assert pack.manifest["format_version"] == FORMAT_VERSION == 4
     assert set(pack.keys()) == set(store)
     for k, v in store.items():
         got = pack.get(k)
         assert got.dtype == v.dtype and torch.equal(got, v), k
-    mem2 = methods.get("sekv").open(pack, p, res.shape, "cpu")
+    mem2 = methods.get("sekv").open(pack, methods.get("sekv").resolve_params(pack.params), res.shape, "cpu")
     q = torch.randint(0, 300, (1, 5))
     a = runtime.forward_logits(model, q, mem.n_tokens(), mem)
     b = runtime.forward_logits(model, q, mem2.n_tokens(), mem2)
     assert torch.equal(a, b)
     d = methods.get("sekv").describe(pack, p)
-    assert d["spans"] == mem.n_spans and d["pack_tensor_bytes"] > 0
+    assert d["spans"] == mem.res.n_spans and d["pack_tensor_bytes"] > 0
     assert set(d["effective_rank_histogram"]["keys"]) >= {"0-4", "5-8", "9-16", "17-32"}
-    assert sum(d["effective_rank_histogram"]["keys"].values()) == 2 * 2 * mem.n_spans
+    assert sum(d["effective_rank_histogram"]["keys"].values()) == 2 * 2 * mem.res.n_spans
     assert path > 0
 
 
@@ -181,19 +209,19 @@ def test_smollm_full_expansion_and_session(tmp_path):
     q = torch.tensor([lm.tokenizer("Question: how many steps?", add_special_tokens=False)["input_ids"]])
     a = runtime.forward_logits(lm.model, q, mem.n_tokens(), mem, last_only=False)
     b = runtime.forward_logits(lm.model, q, full.n_tokens(), full, last_only=False)
-    assert mem.n_spans > 10
+    assert mem.res.n_spans > 10
     assert torch.allclose(a, b, atol=5e-4, rtol=1e-4), (a - b).abs().max()
 
     r = ingest(doc, tmp_path / "log.sekv", lm=lm, method="sekv")
     pack = read_pack(r.pack_path)
-    assert pack.manifest["format_version"] == 3 and pack.method == "sekv"
+    assert pack.manifest["format_version"] == FORMAT_VERSION == 4 and pack.method == "sekv"
     s = Session.open(r.pack_path, lm=lm)
     ans = s.ask("How many steps does the Skarvholm tower have from the door to the lantern room?", max_new_tokens=12)
     assert ans.text and set(ans.stats.extra) == STAT_KEYS
     # the question's and answer's tokens are resident on top of the document's budget (their peak is the last step's)
     assert ans.stats.resident_kv_bytes_peak <= ans.stats.extra["budget_bytes"] + ans.stats.extra["appended_bytes"]
     s2 = Session.open(r.pack_path, lm=lm, params={"budget": 0.2})
-    assert s2.params["budget"] == 0.2
+    assert s2.params.budget == 0.2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -205,7 +233,7 @@ def test_cuda_path_matches_cpu():
         gpu_model.load_state_dict(model.state_dict())
         runtime.install(gpu_model)
         gmem = methods.get("sekv").open(store, p, res.shape, "cuda")
-        gmem.batched = False  # the reference step with pinned staging (the batched step: tests/test_sekv_decode.py)
+        gmem.batched = False  # the reference step (the batched step: tests/test_sekv_decode.py)
         q = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(3))
         a = runtime.forward_logits(model, q, mem.n_tokens(), mem, last_only=False)
         b = runtime.forward_logits(gpu_model, q.cuda(), gmem.n_tokens(), gmem, last_only=False).cpu()
@@ -217,34 +245,6 @@ def test_cuda_path_matches_cpu():
             assert torch.allclose(a, b, atol=1e-3, rtol=1e-3)
         x, y = mem.step_stats().extra, gmem.step_stats().extra
         assert x["zoom_spans_total"] == y["zoom_spans_total"] and x["h2d_bytes_total"] == y["h2d_bytes_total"]
-
-
-def test_route_hook_replaces_the_routing():
-    """The diagnostic hook (benchmarks/route_diagnosis.py) decides what is kept: a forced span is kept in every
-    layer, and a hook that rejects every span gives exactly the no-zoom memory's logits."""
-    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.5, min_span=10, window=16)
-    target = mem.n_spans // 2
-    calls = []
-
-    def force(layer, cand, prio):
-        calls.append((layer, tuple(cand.shape), tuple(prio.shape)))
-        cand, prio = cand.clone(), prio.clone()
-        cand[:, target], prio[:, target] = True, 1e4
-        return cand, prio
-
-    mem.route_hook = force
-    q = torch.randint(0, 300, (1, 5), generator=torch.Generator().manual_seed(3))
-    runtime.forward_logits(model, q, mem.n_tokens(), mem)
-    assert calls == [(l, (4, mem.n_spans), (2, mem.n_spans)) for l in range(2)]
-    mine = mem.block_span == target  # the held set is over zoom blocks: every block of the forced span
-    assert all(mem._held[l] is not None and bool(mem._held[l][0][:, mine].all()) for l in range(2))
-
-    mem.truncate(600)
-    mem.route_hook = lambda layer, cand, prio: (torch.zeros_like(cand), torch.full_like(prio, float("-inf")))
-    a = runtime.forward_logits(model, q, mem.n_tokens(), mem)
-    none = methods.get("sekv").open(store, {**p, "zoom": "none"}, res.shape, "cpu")
-    b = runtime.forward_logits(model, q, none.n_tokens(), none)
-    assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -281,18 +281,17 @@ def test_cuda_compress_with_a_prefaulted_arena():
     res = prefill(model, ids, with_surprisal=True, chunk=256)
     m = methods.get("sekv")
     p = m.resolve_params({"budget": 0.2, "min_span": 10})
-    ref = m.compress(res, dict(p))
+    ref = m.compress(res, p)
     m.reserve_host(res.n_tokens, res.shape, p)
-    got = m.compress(res, dict(p))
+    got = m.compress(res, p)
     assert set(got) == set(ref)
     assert all(got[k].device.type == "cpu" and got[k].shape == ref[k].shape and got[k].dtype == ref[k].dtype for k in ref)
     assert all(torch.equal(got[k], ref[k]) for k in ref if k.startswith(("sekv.full.", "sekv.span_", "sekv.anchor")))
 
 
 def test_trained_router_is_read_from_its_file_not_the_pack(tmp_path, monkeypatch):
-    """Packs do not copy the trained router's W (1.38 MB for qwen2.5-0.5b): it is read from the router file the pack
-    records (path + sha256) and gives the logits of a pack that holds the copy (the format before 2026-12-01).
-    A changed file at the recorded path is a swapped-in router (router.load's rule); a missing one is found among the
+    """Packs do not copy the trained router's W (1.38 MB for qwen2.5-0.5b): the pack records the router file's sha256
+    and W is read from that file (rounded through float16). A changed file at the recorded path is a swapped-in router (router.load's rule); a missing one is found among the
     shipped routers by its sha256, else the pack does not open (PackError, one line)."""
     from sekv_core.errors import PackError
     from sekv_core.sekv import router_file
@@ -303,35 +302,27 @@ def test_trained_router_is_read_from_its_file_not_the_pack(tmp_path, monkeypatch
     rf = router_file.RouterFile(torch.randn(L, H, 32, d), torch.full((L, H), 0.1), RankGate(32, d), {})
     rpath = router_file.save(tmp_path / "r.safetensors", rf)
     model, _, ids, res, store, p, mem, _ = _setup("qwen2", n=600, budget=0.2, min_span=10, router=str(rpath))
-    assert p["router"] == str(rpath.resolve()) and p["router_sha256"] == router_file.file_sha256(rpath)
-    assert "sekv.router.ttau" in store and not any(k.startswith("sekv.router.tw.") for k in store)
-    assert mem.router_source == "trained"
-    assert methods.get("sekv").describe(store, p)["router"] == "trained: r.safetensors"
-    # the old format: the same tensors plus the float16 copy of W
-    old = Store(store, **{f"sekv.router.tw.{i}": rf.w[i].to(torch.float16) for i in range(L)})
-    mem_old = methods.get("sekv").open(old, p, res.shape, "cpu")
-    assert mem_old.router_source == "trained" and torch.equal(mem.w, mem_old.w)
-    q = torch.randint(0, 300, (1, 7), generator=torch.Generator().manual_seed(4))
-    a = runtime.forward_logits(model, q, mem.n_tokens(), mem, last_only=False)
-    assert torch.equal(a, runtime.forward_logits(model, q, mem_old.n_tokens(), mem_old, last_only=False))
+    sha = router_file.file_sha256(rpath)
+    assert bytes(store["sekv.router.sha256"].tolist()).hex() == sha and "sekv.router.ttau" in store
+    assert mem.res.router_source == "trained" and torch.equal(mem.res.w, rf.w.half().float())
+    assert methods.get("sekv").describe(store, p)["router"] == f"trained (sha256 {sha[:12]})"
     # the file moved away: a shipped router with the same sha256 serves; none -> PackError naming the file
     moved = tmp_path / "shipped"
     moved.mkdir()
     rpath.rename(moved / "qwen.safetensors")
     monkeypatch.setattr(router_file, "BUILTIN_DIR", moved)
     m2 = methods.get("sekv").open(store, p, res.shape, "cpu")
-    assert m2.router_source == "trained" and torch.equal(m2.w, mem.w)
+    assert m2.res.router_source == "trained" and torch.equal(m2.res.w, mem.res.w)
     monkeypatch.setattr(router_file, "BUILTIN_DIR", tmp_path / "nowhere")
-    with pytest.raises(PackError, match=r"trained router r\.safetensors .*--router untrained"):
+    with pytest.raises(PackError, match=r"trained router \(sha256 .*--router untrained"):
         methods.get("sekv").open(store, p, res.shape, "cpu")
-    assert methods.get("sekv").open(store, dict(p, router="untrained"), res.shape, "cpu").router_source == "pack"
-    assert methods.get("sekv").open(old, p, res.shape, "cpu").router_source == "trained"  # the copy needs no file
+    assert methods.get("sekv").open(store, p.replace(router="untrained"), res.shape, "cpu").res.router_source == "pack"
     # a different file at the recorded path (e.g. retrained): used as a swapped-in router, its own W and tau
     other = router_file.RouterFile(torch.randn(L, H, 32, d), torch.full((L, H), 0.3), RankGate(32, d), {})
     router_file.save(rpath, other)
     m3 = methods.get("sekv").open(store, p, res.shape, "cpu")
-    assert m3.router_source == "file" and not torch.equal(m3.w, mem.w)
-    assert torch.allclose(m3.logit_tau, torch.full((L, H), float(torch.logit(torch.tensor(0.3)))), atol=1e-5)
+    assert m3.res.router_source == "file" and not torch.equal(m3.res.w, mem.res.w)
+    assert torch.allclose(m3.res.logit_tau, torch.full((L, H), float(torch.logit(torch.tensor(0.3)))), atol=1e-5)
 
 
 def test_pca_router_w_is_stored_in_the_model_dtype():
@@ -341,11 +332,11 @@ def test_pca_router_w_is_stored_in_the_model_dtype():
     assert mem.shape.dtype == torch.float32
     for name in ("sekv.router.w.0", "sekv.full.k.0", "sekv.full.v.1", "sekv.coarse.k.0", "sekv.coarse.v.1"):
         assert store[name].dtype == torch.float16, name
-    assert torch.equal(mem.w[0], store["sekv.router.w.0"].to(mem.shape.dtype))
+    assert torch.equal(mem.res.w[0], store["sekv.router.w.0"].to(mem.shape.dtype))
     # the resident keys are the prefill's, rounded to float16 once
-    assert torch.equal(mem.kv.k[0][0, :, : mem.n_full], res.keys[0][:, store["sekv.full_idx"]].half().float())
+    assert torch.equal(mem.res.kv.k[0][0, :, : mem.res.n_full], res.keys[0][:, store["sekv.full_idx"]].half().float())
     m = methods.get("sekv")
-    kept = m.compress(res, m.resolve_params({**p, "store_dtype": "model"}))
+    kept = m.compress(res, p.replace(store_dtype="model"))
     assert kept["sekv.full.k.0"].dtype == torch.float32 and torch.equal(kept["sekv.full.k.0"], res.keys[0][:, kept["sekv.full_idx"]])
     half = dataclasses.replace(res, keys=[k.bfloat16() for k in res.keys], values=[v.bfloat16() for v in res.values])
     assert m.compress(half, p)["sekv.full.k.0"].dtype == torch.bfloat16

@@ -49,7 +49,7 @@ def _spy(mem):
     inner = mem._attend
 
     def spy(layer, query, key, value, scaling):
-        if mem._scouting:
+        if mem.ranking.scouting:
             queries[layer], keys[layer] = query[0].float().clone(), key[0].float().clone()
         return inner(layer, query, key, value, scaling)
 
@@ -58,7 +58,7 @@ def _spy(mem):
 
 
 def _blocks(mem) -> list[tuple[int, int]]:
-    return list(zip(mem.block_start.tolist(), (mem.block_start + mem.block_len).tolist()))
+    return list(zip(mem.res.block_start.tolist(), (mem.res.block_start + mem.res.block_len).tolist()))
 
 
 @pytest.mark.parametrize("kind,unit", [("qwen2", 16), ("llama", 16), ("qwen2", 3)])
@@ -66,14 +66,14 @@ def test_scout_masses_equal_full_kv_attention(kind, unit):
     """With exact factors the scout's per-layer masses are full-KV attention's: its ranking is the reference's
     sum of z-scored masses of the zoom blocks (softmax over document + question keys), minus the document profile."""
     model, res, store, p, mem = _memory(kind, capture=False, **{**EXACT, "zoom": "router", "budget": 0.5, "zoom_unit": unit})
-    assert (mem.n_blocks > 2 * mem.n_spans) == (unit == 3)
+    assert (mem.res.n_blocks > 2 * mem.res.n_spans) == (unit == 3)
     queries, keys = _spy(mem)
     q = torch.tensor([QUESTION])
     mem.prepare_question(lambda: runtime.forward_hidden(model, q, mem.n_tokens(), mem))
     assert mem.n_tokens() == res.n_tokens  # the scout's tokens are gone again
-    assert mem.scout_profile is not None and not mem.scout_profile.any()  # no recorded queries: a zero profile
+    assert mem.res.scout_profile is not None and not mem.res.scout_profile.any()  # no recorded queries: a zero profile
     ref = _reference_sum(queries, keys, res, _blocks(mem))
-    assert torch.allclose(mem.shared_prio.double(), ref, atol=1e-3), (mem.shared_prio.double() - ref).abs().max()
+    assert torch.allclose(mem.ranking.prio.double(), ref, atol=1e-3), (mem.ranking.prio.double() - ref).abs().max()
 
 
 def test_document_profile_is_the_document_ends_masses():
@@ -97,9 +97,9 @@ def test_document_profile_is_the_document_ends_masses():
 
     spans = reference(mem.spans())
     assert torch.allclose(store["sekv.scout.profile"].double(), spans, atol=1e-3)
-    assert torch.allclose(mem.scout_profile.double(), reference(_blocks(mem)), atol=1e-3)
-    other = methods.get("sekv").open(store, {**p, "zoom_unit": 5}, res.shape, "cpu")
-    assert torch.allclose(other.scout_profile.double(), spans[other.block_span], atol=1e-3)
+    assert torch.allclose(mem.res.scout_profile.double(), reference(_blocks(mem)), atol=1e-3)
+    other = methods.get("sekv").open(store, p.replace(zoom_unit=5), res.shape, "cpu")
+    assert torch.allclose(other.res.scout_profile.double(), spans[other.res.block_span], atol=1e-3)
 
 
 def test_scout_ranking_is_shared_by_every_layer_within_the_budget():
@@ -107,13 +107,13 @@ def test_scout_ranking_is_shared_by_every_layer_within_the_budget():
     from sekv_core.generate import generate
 
     held = []
-    out, stats = generate(model, mem, QUESTION, max_new_tokens=5, stop_ids=set(), on_step=lambda m: held.append([h[0].clone() if h else None for h in m._held]))
-    prof = mem.shared_prio + mem.scout_profile  # the question's own sum
+    out, stats = generate(model, mem, QUESTION, max_new_tokens=5, stop_ids=set(), on_step=lambda m: held.append([h[0].clone() if h else None for h in m.step.held]))
+    prof = mem.ranking.prio + mem.res.scout_profile  # the question's own sum
     assert float(prof.abs().sum()) > 0
     for step in held:  # every layer keeps the same spans (equal caps), the best-ranked ones
         assert step[0] is not None and all(torch.equal(k, step[0]) for k in step)
         kept = step[0].any(0)
-        ranked = torch.argsort(mem.shared_prio, descending=True)
+        ranked = torch.argsort(mem.ranking.prio, descending=True)
         assert bool(kept[ranked[0]])
     x = mem.step_stats()
     # the question's and answer's tokens are resident on top of b x the document's KV (reported apart)
@@ -123,7 +123,7 @@ def test_scout_ranking_is_shared_by_every_layer_within_the_budget():
 
 def test_per_layer_routing_has_no_shared_ranking():
     model, res, store, p, mem = _memory(n=400, routing="per_layer", budget=0.3, min_span=10, window=16)
-    assert mem.shared_prio is None
+    assert mem.ranking is None
     calls = []
     mem.prepare_question(lambda: calls.append(1))
     assert calls == []  # no scout pass
@@ -142,14 +142,14 @@ def test_scout_on_cuda_matches_cpu():
     assert gmem.batched
     a, _ = generate(model, mem, QUESTION, max_new_tokens=6, stop_ids=set())
     b, _ = generate(gmodel, gmem, QUESTION, max_new_tokens=6, stop_ids=set())
-    assert torch.allclose(mem.shared_prio, gmem.shared_prio.cpu(), atol=1e-2)
+    assert torch.allclose(mem.ranking.prio, gmem.ranking.prio.cpu(), atol=1e-2)
     assert a == b
 
 
 def test_a_forward_without_a_scout_pass_routes_per_layer():
     """Only the ask that follows prepare_question() uses its ranking; other forwards route as per_layer does."""
     model, res, store, p, mem = _memory(n=600, budget=0.3, min_span=10, window=16)
-    per_layer = methods.get("sekv").open(store, {**p, "routing": "per_layer"}, res.shape, "cpu")
+    per_layer = methods.get("sekv").open(store, p.replace(routing="per_layer"), res.shape, "cpu")
     q = torch.tensor([QUESTION])
     a = runtime.forward_logits(model, q, mem.n_tokens(), mem)
     b = runtime.forward_logits(model, q, per_layer.n_tokens(), per_layer)
@@ -157,10 +157,10 @@ def test_a_forward_without_a_scout_pass_routes_per_layer():
     mem.truncate(600)
     mem.prepare_question(lambda: runtime.forward_hidden(model, q, mem.n_tokens(), mem))
     c = runtime.forward_logits(model, q, mem.n_tokens(), mem)  # this ask uses the scout's ranking
-    assert mem._scout_ready
+    assert mem.ranking.ready
     mem.truncate(600)
     d = runtime.forward_logits(model, q, mem.n_tokens(), mem)  # the next ask has had no scout pass
-    assert not mem._scout_ready and torch.equal(d, b)
+    assert not mem.ranking.ready and torch.equal(d, b)
     assert c.shape == a.shape
 
 
@@ -179,7 +179,7 @@ def _ask_logits(model, mem, question, steps):
 def test_fixed_set_is_fetched_once_and_reused_exactly(monkeypatch):
     """Batched step under scout routing: the question's forward fills the slots, later steps reuse them (nothing
     fetched), with the same logits as a decoder that refills every step, and the reference step's tokens."""
-    from sekv_core.sekv import decode
+    from sekv_core.sekv import fixed_set
 
     model, res, store, p, ref = _memory(n=600, budget=0.5, min_span=10, window=16)
 
@@ -191,9 +191,9 @@ def test_fixed_set_is_fetched_once_and_reused_exactly(monkeypatch):
     reuse, refill = batched(), batched()
     a, h2d = _ask_logits(model, reuse, QUESTION, 6)
     assert h2d[0] > 0 and h2d[1:] == [0] * 5  # fetched for the question's forward only
-    assert all(k == reuse._dec.fixed_key() for k in reuse._dec.fx_key) and reuse._dec.fixed_key()[1] == reuse.prio_version
+    assert all(k == reuse.step.fixed_key() for k in reuse.step.fixed.filled_for) and reuse.step.fixed_key()[1] == reuse.ranking.version
     x = reuse.step_stats().extra
-    monkeypatch.setattr(decode.BatchedDecoder, "reusable", lambda self, layer: False)
+    monkeypatch.setattr(fixed_set.FixedSets, "key", lambda self, u: None if not self.ranking.ranks() else object())  # never the same
     b, h2d = _ask_logits(model, refill, QUESTION, 6)
     assert all(n > 0 for n in h2d)
     assert torch.allclose(a, b, atol=1e-6, rtol=1e-6), (a - b).abs().max()
@@ -201,18 +201,18 @@ def test_fixed_set_is_fetched_once_and_reused_exactly(monkeypatch):
     for k in ("zoom_spans_total", "span_zoom_counts"):
         assert x[k] == y[k], k
     assert x["zoom_rate_per_layer"] == pytest.approx(y["zoom_rate_per_layer"])
-    assert 0 < x["zoom_spans_total"] < reuse.n_spans  # the cap binds
+    assert 0 < x["zoom_spans_total"] < reuse.res.n_spans  # the cap binds
     _ask_logits(model, ref, QUESTION, 6)
     # the batched scout pass (factor blocks) ranks like the reference one (CPU factor gather), and each group keeps
     # the top of that ranking, as many zoom blocks as its rows hold (the reference step's cap is wider than the
     # batched step's slots, which reserve the tail's capacity: test_fixed_set_attention_equals_reference_step gives
     # both the same cap and compares their logits)
-    assert torch.allclose(reuse.shared_prio, ref.shared_prio, atol=1e-3), (reuse.shared_prio - ref.shared_prio).abs().max()
-    order = torch.argsort(ref.shared_prio, descending=True, stable=True)
-    for layer, keep in enumerate(reuse._dec.fx_keep):
+    assert torch.allclose(reuse.ranking.prio, ref.ranking.prio, atol=1e-3), (reuse.ranking.prio - ref.ranking.prio).abs().max()
+    order = torch.argsort(ref.ranking.prio, descending=True, stable=True)
+    for layer, keep in enumerate(reuse.step.fixed.keep):
         k = int(keep[0].sum())
         assert k > 0 and bool(keep[0][order[:k]].all()) and torch.equal(keep[0], keep[1])
-        assert int(reuse.block_len[keep[0]].sum()) <= reuse._dec.U // reuse.shape.n_kv_heads < int(reuse.block_len[order[: k + 1]].sum())
+        assert int(reuse.res.block_len[keep[0]].sum()) <= reuse.step.U // reuse.shape.n_kv_heads < int(reuse.res.block_len[order[: k + 1]].sum())
     # a new question (a new ranking) refills
     monkeypatch.undo()
     reuse.truncate(600)
@@ -225,7 +225,7 @@ def test_fixed_set_attention_equals_reference_step(kind, unit, monkeypatch):
     """The batched fixed-set path (per-group share of the cap, rows in the annex, one SDPA over resident memory
     and rows) against the reference step (CPU, per-pair cap, explicit mixed mask) given the same ranking and the
     cap that keeps the same pairs: same logits, same spans."""
-    from sekv_core.methods import sekv as sekv_method
+    from sekv_core.sekv import cpu_step
 
     model, res, store, p, ref = _memory(kind, n=600, budget=0.5, min_span=10, window=16, zoom_unit=unit)
     fast = methods.get("sekv").open(store, p, res.shape, "cpu")
@@ -233,24 +233,17 @@ def test_fixed_set_attention_equals_reference_step(kind, unit, monkeypatch):
     ids = torch.tensor([QUESTION])
     fast.prepare_question(lambda: runtime.forward_hidden(model, ids, fast.n_tokens(), fast))
     ref.prepare_question(lambda: runtime.forward_hidden(model, ids, ref.n_tokens(), ref))  # the reference step's scout pass
-    assert torch.allclose(fast.shared_prio, ref.shared_prio, atol=1e-3), (fast.shared_prio - ref.shared_prio).abs().max()
-    ref.shared_prio.copy_(fast.shared_prio)  # the same ranking (the two scout passes differ by ~1e-4)
-    ref._scout_ready, ref.prio_version = True, fast.prio_version
+    assert torch.allclose(fast.ranking.prio, ref.ranking.prio, atol=1e-3), (fast.ranking.prio - ref.ranking.prio).abs().max()
+    ref.ranking.prio.copy_(fast.ranking.prio)  # the same ranking (the two scout passes differ by ~1e-4)
+    ref.ranking.ready, ref.ranking.version = True, fast.ranking.version
     a = [runtime.forward_logits(model, ids, fast.n_tokens(), fast, last_only=False)]
-    per_group = fast._dec.fx_n[0]
-    assert 0 < int(per_group.min()) and int(per_group.max()) < fast._dec.U // fast.shape.n_kv_heads + 1
-    assert all(torch.equal(n, per_group) for n in fast._dec.fx_n)
+    per_group = fast.step.fixed.n[0]
+    assert 0 < int(per_group.min()) and int(per_group.max()) < fast.step.U // fast.shape.n_kv_heads + 1
+    assert all(torch.equal(n, per_group) for n in fast.step.fixed.n)
     if unit == 4:  # several blocks of one span in the set: its factor block fetched once, read by each of them
-        assert int(torch.bincount(fast.block_span[fast._dec.fx_keep[0][0].cpu()]).max()) >= 2
-    cap_bytes = int(per_group.sum()) * ref.entry_bytes  # the reference keeps (g0, i1), (g1, i1), (g0, i2), ... to here
-    inner = sekv_method.SekvMemory._begin_forward
-
-    def begin(self, n_new):
-        inner(self, n_new)
-        if self is ref:
-            self._cap = cap_bytes
-
-    monkeypatch.setattr(sekv_method.SekvMemory, "_begin_forward", begin)
+        assert int(torch.bincount(fast.res.block_span[fast.step.fixed.keep[0][0].cpu()]).max()) >= 2
+    cap_bytes = int(per_group.sum()) * ref.res.entry_bytes  # the reference keeps (g0, i1), (g1, i1), (g0, i2), ... to here
+    monkeypatch.setattr(cpu_step.CpuStep, "begin_forward", lambda self, n_new: setattr(self, "cap", cap_bytes))
     b = [runtime.forward_logits(model, ids, ref.n_tokens(), ref, last_only=False)]
     for _ in range(4):
         nxt = b[-1][:, -1:].argmax(-1)
@@ -259,59 +252,5 @@ def test_fixed_set_attention_equals_reference_step(kind, unit, monkeypatch):
     for x, y in zip(a, b):
         assert torch.allclose(x, y, atol=1e-5, rtol=1e-5), (x - y).abs().max()
     sx, sy = fast.step_stats().extra, ref.step_stats().extra
-    assert sx["span_zoom_counts"] == sy["span_zoom_counts"] and 0 < sx["zoom_spans_total"] < fast.n_spans
+    assert sx["span_zoom_counts"] == sy["span_zoom_counts"] and 0 < sx["zoom_spans_total"] < fast.res.n_spans
     assert sx["h2d_bytes_step"] == 0 and sy["h2d_bytes_step"] >= 0
-
-
-def test_zoom_layers_take_the_whole_room_and_the_others_none():
-    """zoom_from / zoom_to: only those layers reconstruct, each with an equal share of the whole expansion room
-    (b x the document's KV minus its persistent part); the budget holds, the question's tokens on top."""
-    from sekv_core.generate import generate
-
-    model, res, store, p, mem = _memory(n=600, budget=0.3, min_span=10, window=16, zoom_from=1)
-    held = []
-    generate(model, mem, QUESTION, max_new_tokens=4, stop_ids=set(), on_step=lambda m: held.append([h[0].clone() if h else None for h in m._held]))
-    L = res.shape.n_layers
-    doc_persistent = mem.n_base * res.shape.n_kv_heads * mem.entry_bytes * L + mem.router_bytes
-    assert mem._cap == mem._budget_bytes - doc_persistent  # one zooming layer: the whole room
-    cost = mem.block_len * mem.entry_bytes  # the held sets are over zoom blocks
-    for step in held:
-        assert step[0] is None  # layer 0 keeps coarse entries only
-        assert step[1] is not None and int((step[1].long() * cost).sum()) <= mem._cap
-        assert int((step[1].long() * cost).sum()) > (mem._budget_bytes - doc_persistent) // L  # more than an equal share
-    x = mem.step_stats()
-    assert x.resident_bytes - x.extra["appended_bytes"] <= x.extra["budget_bytes"]
-
-
-def test_profile_clip_subtracts_only_the_profiles_outliers():
-    model, res, store, p, mem = _memory(n=600, budget=0.3, min_span=10, window=16)
-    q = torch.tensor([QUESTION])
-    prios = {}
-    for clip in (0.0, 1.0):
-        mem.params = {**mem.params, "profile_clip": clip}
-        mem.prepare_question(lambda: runtime.forward_hidden(model, q, mem.n_tokens(), mem))
-        prios[clip] = mem.shared_prio.clone()
-    prof, w = mem.scout_profile, float(mem.params["profile_weight"])
-    clipped = (prof - prof.std()).clamp_min(0)
-    assert bool((clipped > 0).any()) and bool((clipped == 0).any())
-    assert torch.allclose(prios[1.0] - prios[0.0], w * (prof - clipped), atol=1e-5)
-
-
-def test_zoom_outer_weights_the_layers_outside_the_band():
-    """zoom_outer = 0.5: a layer outside [zoom_from, zoom_to) gets half the share of one inside; each layer keeps
-    within its own share, and the shares add up to the room."""
-    from sekv_core.generate import generate
-
-    model, res, store, p, mem = _memory(n=600, budget=0.3, min_span=10, window=16, zoom_from=1, zoom_outer=0.5)
-    held = []
-    generate(model, mem, QUESTION, max_new_tokens=3, stop_ids=set(), on_step=lambda m: held.append([h[0].clone() if h else None for h in m._held]))
-    L = res.shape.n_layers
-    room = mem._budget_bytes - (mem.n_base * res.shape.n_kv_heads * mem.entry_bytes * L + mem.router_bytes)
-    assert mem._cap == int(room / 1.5) and mem._cap_outer == int(room / 1.5 * 0.5)
-    assert mem._cap + mem._cap_outer <= room
-    cost = mem.block_len * mem.entry_bytes  # the held sets are over zoom blocks
-    for step in held:
-        kept = [0 if k is None else int((k.long() * cost).sum()) for k in step]
-        assert kept[0] <= mem._cap_outer and kept[1] <= mem._cap and kept[1] > 0
-    x = mem.step_stats()
-    assert x.resident_bytes - x.extra["appended_bytes"] <= x.extra["budget_bytes"]

@@ -46,7 +46,7 @@ def test_zoom_blocks_cover_every_span_token_once():
 def test_every_block_expanded_equals_full_kv(kind):
     """Blocks of 3 tokens rebuilt from their spans' rows at their own positions (pre-RoPE keys): full-KV logits."""
     model, ref, ids, res, store, p, mem, full = _setup(kind, **{**EXACT, "zoom_unit": 3, "routing": "scout"})
-    assert mem.n_blocks > 2 * mem.n_spans and not mem.whole_spans and mem.pre_rope
+    assert mem.res.n_blocks > 2 * mem.res.n_spans and not mem.res.whole_spans and mem.res.pre_rope
     q = torch.randint(0, 300, (1, 7), generator=torch.Generator().manual_seed(4))
     a = runtime.forward_logits(model, q, mem.n_tokens(), mem, last_only=False)
     b = runtime.forward_logits(model, q, full.n_tokens(), full, last_only=False)
@@ -56,7 +56,7 @@ def test_every_block_expanded_equals_full_kv(kind):
         a = runtime.forward_logits(model, nxt, mem.n_tokens(), mem)
         b = runtime.forward_logits(model, nxt, full.n_tokens(), full)
         assert torch.allclose(a, b, atol=2e-4, rtol=1e-4)
-    assert mem.step_stats().extra["zoom_spans_step"] == mem.n_spans
+    assert mem.step_stats().extra["zoom_spans_step"] == mem.res.n_spans
 
 
 def test_some_blocks_expanded_equals_hand_computed_mixed_softmax():
@@ -65,25 +65,24 @@ def test_some_blocks_expanded_equals_hand_computed_mixed_softmax():
     pf = synthetic_prefill(n=260)
     m, params, store, mem = open_memory(pf, budget=1.0, zoom_unit=5, key_space="post_rope", factors_8bit=False,
                                         factor_dtype="float32", energy_k=1.0, energy_v=1.0, rank_max=64, router="untrained")
-    S, B = mem.n_spans, mem.n_blocks
-    first = [int((mem.block_span == i).nonzero()[0]) for i in range(S)]
-    chosen = {first[1], first[1] + 1, first[3]} | {b for b in range(B) if int(mem.block_span[b]) == 5}  # span 5 whole
-    mem._scout_ready = True  # a scout ranking for this ask: the chosen blocks first, no other candidate
-    prio = torch.full((B,), -1.0)
+    S, B = mem.res.n_spans, mem.res.n_blocks
+    first = [int((mem.res.block_span == i).nonzero()[0]) for i in range(S)]
+    chosen = {first[1], first[1] + 1, first[3]} | {b for b in range(B) if int(mem.res.block_span[b]) == 5}  # span 5 whole
+    mem.ranking.ready = True  # a scout ranking for this ask: the chosen blocks first, no other candidate
+    prio = torch.full((B,), float("-inf"))
     prio[list(chosen)] = 1.0
-    mem.shared_prio.copy_(prio)
-    mem.route_hook = lambda layer, cand, pr: (cand, torch.where(pr > 0, pr, torch.full_like(pr, float("-inf"))))
+    mem.ranking.prio.copy_(prio)
     H, hkv, d = 4, 2, 16
     g = torch.Generator().manual_seed(1)
     query, key, value = torch.randn(1, H, 2, d, generator=g), torch.randn(1, hkv, 2, d, generator=g), torch.randn(1, hkv, 2, d, generator=g)
     scale = d**-0.5
     mem.attend(0, query, key, value, scale)
     out = mem.attend(1, query, key, value, scale)
-    assert bool(mem._held[1][0][0, sorted(chosen)].all()) and int(mem._held[1][0].sum()) == hkv * len(chosen)
+    assert bool(mem.step.held[1][0][0, sorted(chosen)].all()) and int(mem.step.held[1][0].sum()) == hkv * len(chosen)
 
     full_idx = store["sekv.full_idx"].tolist()
     spans = list(zip(store["sekv.span_start"].tolist(), store["sekv.span_end"].tolist()))
-    expanded_tok = {t for b in chosen for t in range(int(mem.block_start[b]), int(mem.block_start[b] + mem.block_len[b]))}
+    expanded_tok = {t for b in chosen for t in range(int(mem.res.block_start[b]), int(mem.res.block_start[b] + mem.res.block_len[b]))}
     for h in range(H):
         for t in range(2):
             want = hand_mixed_attention(query[0, h, t], h // (H // hkv), pf.keys[1], pf.values[1], pf.surprisal, full_idx, spans,
@@ -100,9 +99,9 @@ def test_blocks_under_a_scout_ranking_never_exceed_the_budget():
         pf = synthetic_prefill(n=n, seed=seed)
         budget = rng.choice([0.1, 0.2, 0.3])
         m, params, store, mem = open_memory(pf, budget=budget, zoom_unit=rng.randint(2, 12), min_span=rng.randint(6, 20), window=rng.randint(0, 30))
-        mem._scout_ready = True
-        mem.shared_prio.copy_(torch.randn(mem.n_blocks, generator=torch.Generator().manual_seed(seed)))
-        order = torch.argsort(mem.shared_prio, descending=True, stable=True).tolist()
+        mem.ranking.ready = True
+        mem.ranking.prio.copy_(torch.randn(mem.res.n_blocks, generator=torch.Generator().manual_seed(seed)))
+        order = torch.argsort(mem.ranking.prio, descending=True, stable=True).tolist()
         g = torch.Generator().manual_seed(seed)
         for step in range(3):
             q_new = rng.choice([1, 4])
@@ -112,18 +111,18 @@ def test_blocks_under_a_scout_ranking_never_exceed_the_budget():
             if mem.resident_bytes() - st.extra["appended_bytes"] <= st.extra["budget_bytes"]:
                 assert st.resident_bytes - st.extra["appended_bytes"] <= st.extra["budget_bytes"], (seed, step)
             else:  # the document's persistent part alone is over budget: nothing may be expanded
-                assert st.resident_bytes == mem.resident_bytes() and all(h is None for h in mem._held)
-            cost = (mem.block_len * mem.entry_bytes).tolist()
+                assert st.resident_bytes == mem.resident_bytes() and all(h is None for h in mem.step.held)
+            cost = (mem.res.block_len * mem.res.entry_bytes).tolist()
             # (group, block) pairs in the cap's order: by the ranking, a block's two groups one after the other
             pairs = [(gi, int(b)) for b in order for gi in range(2)]
-            for held in mem._held:
+            for held in mem.step.held:
                 if held is None:
                     continue
                 keep = held[0]
                 k = int(keep.sum())
                 assert all(bool(keep[gi, b]) for gi, b in pairs[:k])  # a prefix of that order
                 used = sum(cost[b] for _, b in pairs[:k])
-                assert used <= mem._cap and (k == len(pairs) or used + cost[pairs[k][1]] > mem._cap)
+                assert used <= mem.step.cap and (k == len(pairs) or used + cost[pairs[k][1]] > mem.step.cap)
 
 
 def test_terms_of_words_not_tokens():
@@ -159,17 +158,17 @@ def test_lexical_weight_ranks_the_matching_block_first():
     model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=500, budget=0.3, min_span=10, window=16, zoom_unit=8)
     word = lexical.term_id("passphrase")
     terms = torch.full((500,), -1, dtype=torch.int32)
-    target = mem.n_blocks // 2
-    t0 = int(mem.block_start[target])
+    target = mem.res.n_blocks // 2
+    t0 = int(mem.res.block_start[target])
     terms[t0 + 2] = word
     store["sekv.lex.terms"] = terms
     q = torch.tensor([[5, 6, 7, 8]])
     prio = {}
     for name, w, question in (("attn", 0.0, "the passphrase?"), ("lex", 50.0, "the passphrase?"), ("miss", 50.0, "nothing")):
-        m = methods.get("sekv").open(store, {**p, "lexical_weight": w}, res.shape, "cpu")
+        m = methods.get("sekv").open(store, p.replace(lexical_weight=w), res.shape, "cpu")
         m.prepare_question(lambda: runtime.forward_hidden(model, q, m.n_tokens(), m), question)
-        prio[name] = m.shared_prio.clone()
+        prio[name] = m.ranking.prio.clone()
     top = int(prio["lex"].argmax())
-    assert abs(int(mem.block_start[top]) - t0) <= lexical.WINDOW + int(mem.block_len.max())  # its window holds the word
+    assert abs(int(mem.res.block_start[top]) - t0) <= lexical.WINDOW + int(mem.res.block_len.max())  # its window holds the word
     assert torch.equal(torch.argsort(prio["attn"]), torch.argsort(prio["miss"]))
     assert not torch.equal(torch.argsort(prio["attn"]), torch.argsort(prio["lex"]))

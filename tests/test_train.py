@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from sekv_core import models
 from sekv_core.errors import SekvError
+from sekv_core.pack import read_pack
 from sekv_core.sekv import factorize as fz
 from sekv_core.sekv import router_file
 from sekv_core.sekv.rank_gate import RankGate
@@ -209,18 +210,18 @@ def test_ingest_with_trained_router_uses_it(tmp_path, lm, tiny_qwen):
     doc = tmp_path / "doc.txt"
     doc.write_text(" ".join(random.Random(0).choice(WORDS) for _ in range(700)))
     r = ingest(doc, tmp_path / "doc.sekv", lm=lm, method="sekv", params={"router": str(rpath)})
-    assert r.params["router"] == str(rpath.resolve()) and len(r.params["router_sha256"]) == 64
+    assert r.params.router == str(rpath.resolve()) and read_pack(r.pack_path).get("sekv.router.sha256").numel() == 32
     sess = Session.open(r.pack_path, lm=lm)
-    assert sess.memory.router_source == "trained"
+    assert sess.memory.res.router_source == "trained"
     from sekv_core import methods
 
-    assert methods.get("sekv").describe(sess.pack, sess.pack.params)["router"] == "trained: r.safetensors"
+    assert methods.get("sekv").describe(sess.pack, sess.params)["router"].startswith("trained (sha256 ")
     ranks = sess.pack.get("sekv.fk.0.rank")
     lens = (sess.pack.get("sekv.span_end") - sess.pack.get("sekv.span_start")).view(1, -1)
     assert torch.equal(ranks.long(), torch.minimum(torch.full_like(ranks.long(), 2), lens))
-    assert torch.allclose(sess.memory.logit_tau, torch.full((L, H), float(torch.logit(torch.tensor(0.2)))), atol=1e-5)
+    assert torch.allclose(sess.memory.res.logit_tau, torch.full((L, H), float(torch.logit(torch.tensor(0.2)))), atol=1e-5)
     un = Session.open(r.pack_path, lm=lm, params={"router": "untrained"})
-    assert un.memory.router_source == "pack"
+    assert un.memory.res.router_source == "pack"
     ans = un.ask("amber?", max_new_tokens=3)
     assert ans.stats.generated_tokens >= 1
 
@@ -233,7 +234,7 @@ def test_very_short_document_has_no_spans_and_still_answers(tmp_path, lm):
     doc.write_text("amber basalt cedar.")
     r = ingest(doc, tmp_path / "short.sekv", lm=lm, method="sekv", params={"min_span": 4000})  # shorter than one span
     sess = Session.open(r.pack_path, lm=lm)
-    assert sess.memory.n_spans == 0
+    assert sess.memory.res.n_spans == 0
     assert sess.ask("cedar?", max_new_tokens=2).stats.generated_tokens >= 1
 
 

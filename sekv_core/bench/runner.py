@@ -324,7 +324,7 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
             for pi in todo:
                 probe = ctx.probes[pi]
                 pkey = _probe_key(ctx.task, probe.item, ctx.length, ctx.depth, ctx.seed, lm.model_id)
-                rec = {**base_rec, "item": probe.item, "params": params}
+                rec = {**base_rec, "item": probe.item, "params": params.to_dict()}
                 try:
                     reporter.stage(f"{label}: answer")
                     memory.truncate(base)
@@ -386,7 +386,7 @@ def _needs_scores(method) -> tuple[str, ...]:
     return tuple(getattr(method, "needs_scores", ()) or ())
 
 
-def _obs_window(method, params: dict) -> int:
+def _obs_window(method, params) -> int:
     return method.obs_window(params)  # as ingest does
 
 
@@ -414,7 +414,7 @@ def _prefill_for(model, tok, ids: torch.Tensor, text: str, with_surprisal: bool,
     return pre, (["surprisal"] if with_surprisal else []) + sorted(needs)
 
 
-def _view_for(pre, method, params: dict):
+def _view_for(pre, method, params):
     """The prefill as this method's own ingest would have produced it (its observation window)."""
     scores = getattr(pre, "scores", None)
     if not scores or "obs_queries" not in _needs_scores(method) or "obs_window" not in scores:

@@ -2,7 +2,8 @@
 
 A variant is written ``METHOD[:ITEM[:ITEM...]]`` where an ITEM is ``key=value`` (a
 parameter of the method, the value converted to the type of the method's default)
-or the name of one of the method's named ablations (``CacheMethod.ablations``, e.g.
+or the name of one of the method's named ablations (``CacheMethod.ablations``: objects with the
+parameters they change, ``overrides``; e.g.
 ``sekv:no-svd``).  Items apply left to right, so ``sekv:fixed-chunks:chunk=64``
 overrides the ablation's chunk length.  ``--ablations a,b`` is short for
 ``--methods sekv:a,sekv:b``.
@@ -79,10 +80,10 @@ def parse(spec: str) -> Variant:
                 raise SekvError(f"method '{name}' has no parameter '{key}' (it has: {', '.join(m.default_params)})")
             overrides[key] = _convert(name, key, text, m.default_params[key])
         elif item in named:
-            for key in named[item]:
+            for key in named[item].overrides:
                 if key not in m.default_params:
                     raise SekvError(f"ablation '{name}:{item}' needs parameter '{key}', which '{name}' does not have yet")
-            overrides.update(named[item])
+            overrides.update(named[item].overrides)
             abl.append(item)
         else:
             known = ", ".join(named) if named else "none"
@@ -96,7 +97,7 @@ def expand_ablations(text: str, method: str = "sekv") -> list[str]:
     if text.strip() == "all":
         params = methods.get(method).default_params
         table = getattr(methods.get(method), "ablations", {}) or {}
-        chosen = [a for a in names if all(k in params for k in table[a])]
+        chosen = [a for a in names if all(k in params for k in table[a].overrides)]
     else:
         chosen = [p.strip() for p in text.split(",") if p.strip()]
         if not chosen:

@@ -17,7 +17,7 @@ and values live in registers / shared memory only - never written to global memo
 splits' partials (acc, max, sum) are merged on the host side (``doc_attention``), then
 with the exact part (sink, question, answer tokens) by the caller.
 
-Only imported on CUDA devices (memory.fused_available); benchmarks/depthweave_gpu_check.py
+Only imported on CUDA devices (memory.fused_available); benchmarks/studies/depthweave_gpu_check.py
 compares it with the PyTorch path (attention.py) and times it.  TRITON_INTERPRET=1 runs it
 on the CPU.
 """

@@ -26,7 +26,7 @@ for _m in (FullMethod(), SekvMethod(), StreamingLLMMethod(), H2OMethod(), SnapKV
     register(_m)
 
 #: `sekv` at its default 10 % budget answers every sample question that `full` answers (8/10 against 7/10) and
-#: finds the needles full finds at 4K-16K (docs/sekv.md §7f); `--method full` keeps the whole KV cache.
+#: finds the needles full finds at 4K-16K (docs/design.md); `--method full` keeps the whole KV cache.
 DEFAULT_METHOD = "sekv"
 
 

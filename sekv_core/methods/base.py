@@ -4,7 +4,7 @@ A cache method has two halves:
 
 * ``compress(prefill, params)`` runs once at ingest.  It receives the document's
   full KV cache (and the prefill's surprisal) and returns the tensors to store in
-  the pack plus the parameters it used.
+  the pack (its parameters, a frozen dataclass, go into the manifest as JSON).
 * ``open(store, params, device)`` runs at ask time.  It receives a lazy view of
   the pack's tensors and returns a :class:`KVMemory`, the runtime object the
   attention hook (``sekv_core.runtime``) calls for every layer of every forward.
@@ -22,6 +22,8 @@ from typing import Any, Callable, Hashable, Mapping, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from .params import Params
 
 
 @dataclass
@@ -178,7 +180,7 @@ class GrowingKV:
 
     An *annex* of A rows may follow the capacity in the same allocation
     (``set_annex``): a method's own extra entries (sekv: the reconstructed tokens of
-    a fixed zoom set, sekv/decode.py), so that one attention call covers
+    a fixed zoom set, sekv/fixed_set.py), so that one attention call covers
     ``joint(layer)`` = appended tokens, capacity and annex.  ``k[layer]`` /
     ``v[layer]`` are views of the first ``capacity`` rows.  ``generation`` counts
     reallocations (the annex's contents do not survive one).
@@ -189,6 +191,7 @@ class GrowingKV:
         # value still enters the product (0 x NaN garbage would be NaN)
         self.annex = 0
         self.generation = 0
+        self.truncations = 0  # a method's cached view of the tail (sekv's fixed sets) must hide dropped tokens again
         self.jk = [torch.zeros(1, n_kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
         self.jv = [torch.zeros_like(t) for t in self.jk]
         self.k = list(self.jk)
@@ -292,6 +295,7 @@ class GrowingKV:
 
     def truncate(self, n: int) -> None:
         self.len = [min(x, n) for x in self.len]
+        self.truncations += 1
 
     def nbytes(self) -> int:
         """Bytes in use (not capacity, not the annex: its owner counts it)."""
@@ -324,48 +328,50 @@ class CacheMethod(ABC):
     #: prefill statistics compress() reads from PrefillResult.scores: any of "obs_queries",
     #: "attn_mass", "token_text" (captured by sekv_core.methods.scores during the one prefill)
     needs_scores: tuple[str, ...] = ()
-    default_params: Mapping[str, Any] = {}
-    #: parameters that may be changed at ask time without re-ingesting
-    ask_time_params: tuple[str, ...] = ()
+    #: the method's parameters (sekv_core/methods/params.py): a frozen dataclass, defaults on its fields
+    params_type: type[Params] = Params
+    #: named variants for `sekv bench --ablations` (name -> an object with ``overrides``), if any
+    ablations: Mapping[str, Any] = {}
 
-    def resolve_params(self, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
-        params = dict(self.default_params)
-        for k, v in (overrides or {}).items():
-            if v is None:
-                continue
-            if k not in params:
-                from ..errors import SekvError
+    @property
+    def default_params(self) -> dict[str, Any]:
+        return self.params_type.defaults()
 
-                raise SekvError(f"method '{self.name}' has no parameter '{k}' (it has: {', '.join(params) or 'none'})")
-            params[k] = type(params[k])(v) if params[k] is not None else v
-        return params
+    @property
+    def ask_time_params(self) -> tuple[str, ...]:
+        """Parameters that may be changed at ask time without re-ingesting."""
+        return self.params_type.ask_time_names()
 
-    def obs_window(self, params: dict[str, Any]) -> int:
+    def resolve_params(self, overrides: Mapping[str, Any] | None) -> Params:
+        """The defaults with ``overrides`` (a pack's manifest, CLI options) applied and checked."""
+        return self.params_type.from_dict(overrides, self.name)
+
+    def obs_window(self, params: Params) -> int:
         """Document tokens whose queries the prefill records when ``needs_scores`` has "obs_queries"."""
-        return int(params.get("window", 64))
+        return int(getattr(params, "window", 64))
 
-    def reserve_host(self, n_tokens: int, shape: ModelShape, params: dict[str, Any]) -> None:
+    def reserve_host(self, n_tokens: int, shape: ModelShape, params: Params) -> None:
         """Called before the prefill of an n_tokens document on an accelerator: a method whose compress()
         moves large results to the host may prepare that memory meanwhile (sekv does).  Default: nothing."""
 
     @abstractmethod
-    def compress(self, prefill: PrefillResult, params: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def compress(self, prefill: PrefillResult, params: Params) -> dict[str, torch.Tensor]:
         """Tensors to store in the pack (CPU tensors)."""
 
     @abstractmethod
-    def open(self, store: "TensorStore", params: dict[str, Any], shape: ModelShape, device) -> KVMemory:
+    def open(self, store: "TensorStore", params: Params, shape: ModelShape, device) -> KVMemory:
         """Build the runtime memory from the pack's tensors."""
 
-    def describe(self, store: "TensorStore", params: dict[str, Any]) -> dict[str, Any]:
+    def describe(self, store: "TensorStore", params: Params) -> dict[str, Any]:
         """Method-specific statistics for `sekv inspect`."""
         return {}
 
-    def tensor_specs(self, params: dict[str, Any], shape: ModelShape, n_tokens: int) -> list:
+    def tensor_specs(self, params: Params, shape: ModelShape, n_tokens: int) -> list:
         """What a pack's tensors must be (``sekv_core.pack.TensorSpec``: name, dtypes, shape in terms of N, L, H, Hkv,
         d and names bound on the way, value ranges), checked by :meth:`validate` before open() / describe() read them."""
         return []
 
-    def validate(self, store: "TensorStore", params: dict[str, Any], shape: ModelShape, n_tokens: int) -> None:
+    def validate(self, store: "TensorStore", params: Params, shape: ModelShape, n_tokens: int) -> None:
         """Raise PackError where the pack's tensors are not what open() / describe() may use.  Default: the specs."""
         from ..pack import check_tensors, model_dims
 

@@ -19,10 +19,13 @@ appended at full resolution and count in resident_bytes().
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from .scores import EvictionMethod, kept_tokens, window_attention
+from .params import BudgetParams
 
 
 def chunk_positions(tok_scores: torch.Tensor, n: int, k: int, chunk: int) -> torch.Tensor:
@@ -48,16 +51,24 @@ def chunk_positions(tok_scores: torch.Tensor, n: int, k: int, chunk: int) -> tor
     return torch.cat([chosen.nonzero().flatten(), torch.arange(m, n)])
 
 
+@dataclass(frozen=True)
+class ChunkKVParams(BudgetParams):
+    method = "chunkkv"
+    window: int = 32  # observation window
+    chunk: int = 10  # tokens per chunk
+    reuse: int = 1  # layers that share one layer's selection
+
+
 class ChunkKVMethod(EvictionMethod):
     name = "chunkkv"
     summary = "baseline: whole 10-token chunks ranked by observation-window attention (ChunkKV)"
     needs_scores = ("obs_queries",)
-    default_params = {"budget": 0.10, "window": 32, "chunk": 10, "reuse": 1}
+    params_type = ChunkKVParams
 
     def select(self, prefill, params):
         n, shape, sc = prefill.n_tokens, prefill.shape, prefill.scores
-        k = kept_tokens(float(params["budget"]), n)
-        reuse = max(1, int(params["reuse"]))
+        k = kept_tokens(params.budget, n)
+        reuse = max(1, params.reuse)
         out: list[torch.Tensor] = []
         for layer, (q, keys) in enumerate(zip(sc["obs_queries"], prefill.keys)):
             if layer % reuse:
@@ -65,5 +76,5 @@ class ChunkKVMethod(EvictionMethod):
                 continue
             w = q.shape[1]
             s = window_attention(q, keys, sc["scaling"])[..., : n - w].mean(1).sum(0).cpu()  # [N - w]
-            out.append(chunk_positions(s, n, k, int(params["chunk"])).expand(shape.n_kv_heads, -1).clone())
+            out.append(chunk_positions(s, n, k, params.chunk).expand(shape.n_kv_heads, -1).clone())
         return out

@@ -18,6 +18,7 @@ answer tokens are appended at full precision on top, as for every method.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from ..depthweave import codec, router
 from ..depthweave import factorize as fz
 from ..errors import SekvError
 from .base import CacheMethod, KVMemory, ModelShape, PrefillResult, TensorStore
+from .params import Params, ask_time
 
 P = "depthweave."
 
@@ -59,41 +61,43 @@ def auto_rank(params: dict[str, Any], n_tokens: int, shape: ModelShape, pre_rope
     return cands[0]
 
 
+@dataclass(frozen=True)
+class DepthWeaveParams(Params):
+    method = "depthweave"
+    budget: float = ask_time(0.25)
+    rank_k: int = 0  # shared-basis rank for keys; 0 = auto from the budget (auto_rank)
+    rank_v: int = 0
+    depth_window: int = 1  # layers per depth window (the paper's cross-depth sharing: 2, 4; docs/depthweave.md)
+    depth_overlap: int = 0  # extra neighbouring layers on each side that a window's bases are fitted on
+    levels: str = "0,2,4,8"
+    level_unit: int = 0  # channels per level unit; 0 = (head_dim - rank) / top level (the top level restores the residual)
+    coef_bits: int = 8
+    coef_block: int = 16
+    res_bits: int = 4
+    gate: int = 1
+    exact_tokens: int = 4
+    router: str = ask_time("mass=2,spike=0.5,delim=1,energy=1,probe=4")
+    spacing: float = ask_time(1.0)
+    online_weight: float = ask_time(1.0)
+    question_routing: int = ask_time(1)
+    probe_every: int = ask_time(16)
+    probe_tolerance: float = ask_time(0.05)
+    probe_step: float = ask_time(0.5)
+    probe_quiet: int = ask_time(3)
+    chunk: int = ask_time(0)  # reconstruction chunk of the PyTorch path, tokens (0: ~1/8 of the document, >= 256)
+    fused: str = ask_time("auto")
+
+
 class DepthWeaveMethod(CacheMethod):
     name = "depthweave"
     summary = "DepthWeave-KV: cross-layer low-rank bases + routed quantised residuals, online probes"
     needs_scores = ("attn_mass", "obs_queries", "token_text")
-    default_params = {
-        "budget": 0.25,
-        "rank_k": 0,  # shared-basis rank for keys; 0 = auto from the budget (auto_rank)
-        "rank_v": 0,
-        "depth_window": 1,  # layers per depth window (the paper's cross-depth sharing: 2, 4; measured in docs/depthweave.md)
-        "depth_overlap": 0,  # extra neighbouring layers on each side that a window's bases are fitted on
-        "levels": "0,2,4,8",
-        "level_unit": 0,  # channels per level unit; 0 = (head_dim - rank) / top level (the top level restores the residual)
-        "coef_bits": 8,
-        "coef_block": 16,
-        "res_bits": 4,
-        "gate": 1,
-        "exact_tokens": 4,
-        "router": "mass=2,spike=0.5,delim=1,energy=1,probe=4",
-        "spacing": 1.0,
-        "online_weight": 1.0,
-        "question_routing": 1,
-        "probe_every": 16,
-        "probe_tolerance": 0.05,
-        "probe_step": 0.5,
-        "probe_quiet": 3,
-        "chunk": 0,  # reconstruction chunk of the PyTorch path, tokens (0: ~1/8 of the document, >= 256)
-        "fused": "auto",
-    }
-    ask_time_params = ("budget", "router", "spacing", "online_weight", "question_routing", "probe_every", "probe_tolerance",
-                       "probe_step", "probe_quiet", "chunk", "fused")
+    params_type = DepthWeaveParams
 
-    def compress(self, prefill: PrefillResult, params: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def compress(self, prefill: PrefillResult, params: DepthWeaveParams) -> dict[str, torch.Tensor]:
         shape, n = prefill.shape, prefill.n_tokens
         rot = codec.key_rotation(shape, n)
-        params = dict(params)
+        params = params.to_dict()  # sekv_core/depthweave/ reads its parameters as a dict
         if int(params["rank_k"]) <= 0 or int(params["rank_v"]) <= 0:
             r = auto_rank(params, n, shape, rot is not None)
             params["rank_k"] = r if int(params["rank_k"]) <= 0 else params["rank_k"]
@@ -174,7 +178,7 @@ class DepthWeaveMethod(CacheMethod):
     def open(self, store: TensorStore, params, shape: ModelShape, device) -> KVMemory:
         from ..depthweave.memory import DepthWeaveMemory  # here: memory.py imports methods.base (no import cycle)
 
-        return DepthWeaveMemory(store, params, shape, device)
+        return DepthWeaveMemory(store, params.to_dict(), shape, device)
 
     def describe(self, store: TensorStore, params) -> dict[str, Any]:
         spec = codec.Spec.load(store)

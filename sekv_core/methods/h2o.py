@@ -19,9 +19,12 @@ count in resident_bytes().
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .scores import EvictionMethod, kept_tokens, topk_sorted
+from .params import BudgetParams
 
 
 def h2o_positions(mass: torch.Tensor, k: int, heavy_ratio: float = 0.5) -> torch.Tensor:
@@ -33,17 +36,23 @@ def h2o_positions(mass: torch.Tensor, k: int, heavy_ratio: float = 0.5) -> torch
     return torch.cat([top, torch.arange(n - recent, n).expand(hkv, recent)], dim=1)
 
 
+@dataclass(frozen=True)
+class H2OParams(BudgetParams):
+    method = "h2o"
+    heavy_ratio: float = 0.5  # share of the kept tokens that are heavy hitters (the rest: the most recent)
+
+
 class H2OMethod(EvictionMethod):
     name = "h2o"
     summary = "baseline: heavy hitters by accumulated prefill attention + recent tokens (H2O)"
     needs_scores = ("attn_mass",)
-    default_params = {"budget": 0.10, "heavy_ratio": 0.5}
+    params_type = H2OParams
 
     def select(self, prefill, params):
         n, shape = prefill.n_tokens, prefill.shape
-        k = kept_tokens(float(params["budget"]), n)
+        k = kept_tokens(params.budget, n)
         g = shape.n_heads // shape.n_kv_heads
         out = []
         for mass in prefill.scores["attn_mass"]:
-            out.append(h2o_positions(mass.view(shape.n_kv_heads, g, n).sum(1), k, float(params["heavy_ratio"])))
+            out.append(h2o_positions(mass.view(shape.n_kv_heads, g, n).sum(1), k, params.heavy_ratio))
         return out

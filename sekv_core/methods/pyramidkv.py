@@ -19,10 +19,12 @@ resolution and count in resident_bytes().
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import math
 
 from .scores import EvictionMethod, kept_tokens, select_with_window
-from .snapkv import snapkv_layer_scores
+from .snapkv import SnapKVParams, snapkv_layer_scores
 
 
 def pyramid_budgets(k: int, n: int, n_layers: int, beta: float = 20.0) -> list[int]:
@@ -47,13 +49,19 @@ def pyramid_budgets(k: int, n: int, n_layers: int, beta: float = 20.0) -> list[i
     return out
 
 
+@dataclass(frozen=True)
+class PyramidKVParams(SnapKVParams):
+    method = "pyramidkv"
+    beta: float = 20.0  # the pyramid's slope: low layers keep more
+
+
 class PyramidKVMethod(EvictionMethod):
     name = "pyramidkv"
     summary = "baseline: SnapKV scores with more tokens in low layers, fewer in high layers (PyramidKV)"
     needs_scores = ("obs_queries",)
-    default_params = {"budget": 0.10, "window": 32, "kernel": 7, "pooling": "max", "beta": 20.0}
+    params_type = PyramidKVParams
 
     def select(self, prefill, params):
         n, shape = prefill.n_tokens, prefill.shape
-        budgets = pyramid_budgets(kept_tokens(float(params["budget"]), n), n, shape.n_layers, float(params["beta"]))
+        budgets = pyramid_budgets(kept_tokens(params.budget, n), n, shape.n_layers, params.beta)
         return [select_with_window(s, n, kl) for s, kl in zip(snapkv_layer_scores(prefill, params), budgets)]

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from .base import CacheMethod, GrowingKV, KVMemory, ModelShape, PrefillResult, StepStats, TensorStore, causal_attention
 from .full import FullMemory
+from .params import BudgetParams
 
 SCORE_KINDS = ("obs_queries", "attn_mass", "token_text", "lex_terms")
 #: the statistics read off the text, not captured by the prefill: :func:`text_scores` fills them
@@ -258,15 +259,14 @@ class EvictionMethod(CacheMethod):
     appended at full resolution and count in resident_bytes() too.
     """
 
-    default_params = {"budget": 0.10}
-    ask_time_params = ()
+    params_type = BudgetParams
 
-    def select(self, prefill: PrefillResult, params: dict[str, Any]) -> list[torch.Tensor]:
+    def select(self, prefill: PrefillResult, params: BudgetParams) -> list[torch.Tensor]:
         """Per layer the kept document positions [Hkv, k_l], int64, increasing along each row."""
         raise NotImplementedError
 
     def compress(self, prefill: PrefillResult, params):
-        check_budget(float(params["budget"]))
+        check_budget(params.budget)
         out: dict[str, torch.Tensor] = {f"{self.name}.n_doc": torch.tensor([prefill.n_tokens], dtype=torch.int64)}
         for i, (k, v, ix) in enumerate(zip(prefill.keys, prefill.values, self.select(prefill, params))):
             gi = ix.to(k.device).unsqueeze(-1).expand(-1, -1, k.shape[-1])
@@ -297,5 +297,5 @@ class EvictionMethod(CacheMethod):
         n_layers = sum(1 for k in store.keys() if k.startswith(f"{self.name}.idx."))
         kept = [int(store.get(f"{self.name}.idx.{i}").shape[1]) for i in range(n_layers)]
         n_doc = int(store.get(f"{self.name}.n_doc")[0])
-        return {"budget": params.get("budget"), "doc_tokens": n_doc, "kept_tokens_per_layer": kept,
+        return {"budget": params.budget, "doc_tokens": n_doc, "kept_tokens_per_layer": kept,
                 "kept_fraction": round(sum(kept) / max(1, n_doc * n_layers), 4)}

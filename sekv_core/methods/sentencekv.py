@@ -31,6 +31,8 @@ Our choices (the paper leaves them to its code):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import math
 from typing import Any
 
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 
 from ..errors import SekvError
 from .base import CacheMethod, GrowingKV, KVMemory, ModelShape, StepStats, TensorStore, causal_attention
+from .params import DEFAULT_BUDGET, Params, ask_time
 from .scores import kept_tokens
 
 _ENDS = (".", "!", "?", "。", "！", "？", "…")
@@ -147,19 +150,26 @@ class SentenceMemory(KVMemory):
             "fetched_tokens_mean": sum(self.fetched) / L, "picked_sentences_mean": sum(self.picked) / (L * self.shape.n_kv_heads)})
 
 
+@dataclass(frozen=True)
+class SentenceKVParams(Params):
+    method = "sentencekv"
+    budget: float = ask_time(DEFAULT_BUDGET)  # the sentences fetched per step are chosen at ask time
+    min_len: int = 4  # tokens per sentence, at least / at most
+    max_len: int = 64
+
+
 class SentenceKVMethod(CacheMethod):
     name = "sentencekv"
     summary = "baseline: sentence mean keys on the device, the query fetches top sentences from CPU (SentenceKV)"
     needs_scores = ("token_text",)
-    default_params = {"budget": 0.10, "min_len": 4, "max_len": 64}
-    ask_time_params = ("budget",)
+    params_type = SentenceKVParams
 
     def compress(self, prefill, params):
-        budget = float(params["budget"])
+        budget = params.budget
         if budget <= 0:
             raise SekvError(f"--budget must be positive, got {budget}")
         n = prefill.n_tokens
-        bounds = sentence_bounds(prefill.scores["token_text"], int(params["min_len"]), int(params["max_len"]))
+        bounds = sentence_bounds(prefill.scores["token_text"], params.min_len, params.max_len)
         bounds = merge_to_fit(bounds, kept_tokens(min(budget, 1.0), n))
         b = torch.tensor(bounds, dtype=torch.int64)
         sent_of = torch.repeat_interleave(torch.arange(len(bounds) - 1), b[1:] - b[:-1])
@@ -188,10 +198,10 @@ class SentenceKVMethod(CacheMethod):
         keys = [store.get(f"sentencekv.k.{i}").to(shape.dtype) for i in range(L)]
         values = [store.get(f"sentencekv.v.{i}").to(shape.dtype) for i in range(L)]
         means = [store.get(f"sentencekv.mean.{i}").to(shape.dtype) for i in range(L)]
-        return SentenceMemory(keys, values, means, store.get("sentencekv.bounds"), float(params["budget"]), shape, device)
+        return SentenceMemory(keys, values, means, store.get("sentencekv.bounds"), params.budget, shape, device)
 
     def describe(self, store: TensorStore, params) -> dict[str, Any]:
         b = store.get("sentencekv.bounds")
         lens = (b[1:] - b[:-1]).float()
-        return {"budget": params.get("budget"), "doc_tokens": int(b[-1]), "sentences": int(lens.numel()),
+        return {"budget": params.budget, "doc_tokens": int(b[-1]), "sentences": int(lens.numel()),
                 "mean_sentence_tokens": round(float(lens.mean()), 2)}

@@ -16,9 +16,12 @@ Kept keys keep their original positions (no re-rotation), as kvpress does by def
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .scores import EvictionMethod, kept_tokens
+from .params import BudgetParams
 
 
 def streaming_positions(n: int, k: int, sinks: int = 4) -> torch.Tensor:
@@ -27,12 +30,18 @@ def streaming_positions(n: int, k: int, sinks: int = 4) -> torch.Tensor:
     return torch.cat([torch.arange(s), torch.arange(n - (k - s), n)])
 
 
+@dataclass(frozen=True)
+class StreamingLLMParams(BudgetParams):
+    method = "streamingllm"
+    sinks: int = 4  # attention-sink tokens at the document's start
+
+
 class StreamingLLMMethod(EvictionMethod):
     name = "streamingllm"
     summary = "baseline: 4 attention-sink tokens + the most recent tokens (StreamingLLM)"
-    default_params = {"budget": 0.10, "sinks": 4}
+    params_type = StreamingLLMParams
 
     def select(self, prefill, params):
         n, shape = prefill.n_tokens, prefill.shape
-        pos = streaming_positions(n, kept_tokens(float(params["budget"]), n), int(params["sinks"]))
+        pos = streaming_positions(n, kept_tokens(params.budget, n), params.sinks)
         return [pos.expand(shape.n_kv_heads, -1).clone() for _ in range(shape.n_layers)]

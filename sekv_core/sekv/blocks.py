@@ -73,9 +73,6 @@ class Blocks:
         """Device bytes of the block table (counted as resident)."""
         return self.used.numel() * self.used.element_size()
 
-    def host_bytes(self) -> int:
-        return self.words.numel() * 8
-
 
 def build(f: fz.Factors, span_len: torch.Tensor, d: int, device, pin: bool, work_device=None) -> Blocks:
     """Re-lay one layer's packed factors, K and V stacked (``fz.stack_kv``: rank [2 Hkv, S], V blocks are

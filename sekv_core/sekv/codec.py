@@ -21,7 +21,7 @@ for 3 bits.  The value factors of default packs use ``VALUES_3BIT`` (values tole
 **Row scales** (``scales="log8"``, :func:`encode_scales`): the float16 ``us_scale`` / ``vt_scale`` as one
 byte each on a per-tensor log2 grid of 255 steps between the smallest and largest positive scale.
 
-**Which elements, in which order** (benchmarks/factor_codec.py measured the choices, docs/sekv.md §3):
+**Which elements, in which order** (benchmarks/studies/factor_codec.py measured the choices, docs/design.md):
 
 * ``us`` (n_i x r blocks, row-major; factorize scaled every row to |max| = 127) is encoded
   **column-major within each block** (``order="col"``): a column holds one singular direction, so its
@@ -69,9 +69,9 @@ ORDERS = ("row", "col")
 #: row scales (``us_scale`` / ``vt_scale``) at rest: ``fp16`` as factorize wrote them, or ``log8`` (:func:`encode_scales`)
 SCALES = ("fp16", "log8")
 CONFIG = "sekv.factor_codec"
-#: the 4-bit codec of ``factor_bits=4`` packs, chosen in docs/sekv.md §3 among the variants benchmarks/factor_codec.py measured
+#: the 4-bit codec of ``factor_bits=4`` packs, chosen (docs/design.md, factors) among the variants benchmarks/studies/factor_codec.py measured
 DEFAULT = {"group": 32, "levels": "nf4", "order": "col", "lead": 1}
-#: the value factors' code with ``value_bits=3`` (the default since 2026-12-01; docs/sekv.md §3): nf3 levels in groups
+#: the value factors' code with ``value_bits=3`` (docs/design.md, factors): nf3 levels in groups
 #: of 128 (values barely notice the group size: attention-output error 0.2285 at 32, 0.2303 at 128)
 VALUES_3BIT = {"group": 128, "levels": "nf3", "order": "col", "lead": 1}
 

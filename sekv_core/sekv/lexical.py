@@ -1,4 +1,4 @@
-"""Lexical evidence for the scout: which zoom blocks share the question's words (docs/sekv.md §7f).
+"""Lexical evidence for the scout: which zoom blocks share the question's words (docs/design.md, scout).
 
 The scout ranks zoom blocks by the question's attention mass summed over layers (sekv/scout.py).  On the
 sample documents that signal, even with exact keys, puts the answer's block 4th-200th of 100-220 blocks,

@@ -46,3 +46,10 @@ def undo(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # apply() is, per pair (i, i + d/2), the matrix [[c, -s], [s, c]]; its inverse is [[c, s], [-s, c]] / (c^2 + s^2)
     # where the pair shares c, s (both halves of cos/sin are equal by construction)
     return (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin)
+
+
+def rotate(rows: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype) -> torch.Tensor:
+    """Pre-RoPE key rows [..., d] (any float dtype) rotated to their token positions [...]: float32 [..., d]."""
+    d = rows.shape[-1]
+    cos, sin = cos_sin(positions.flatten(), inv_freq, scaling, dtype=dtype)
+    return apply(rows.reshape(-1, d).float(), cos, sin).view(rows.shape)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 D_R = 32
-#: untrained default threshold (docs/sekv.md, "Threshold"): logit(tau) = -2
+#: untrained default threshold (docs/design.md, router): logit(tau) = -2
 TAU_DEFAULT = 1.0 / (1.0 + math.exp(2.0))
 
 
@@ -100,40 +100,34 @@ def gate_logits(query: torch.Tensor, w: torch.Tensor, kbar: torch.Tensor, inv_no
     return torch.addcmul(log_n.view(1, 1, s), dots, scale)
 
 
-def load(store, params: dict, shape) -> Router:
+def load(store, params, shape) -> Router:
     """W and tau for a memory (the one place that decides; see docs/router-training.md).
 
-    ``params["router"]``: ``"untrained"`` -> the pack's PCA-initialised router; a router file whose
-    sha256 differs from the one the pack was ingested with (``params["router_sha256"]``) -> that file's
-    W and tau (its rank gate cannot act: ranks were fixed at ingest); anything else -> the trained
-    router the pack was ingested with, or the untrained one where the pack has none.
-
-    Where the trained W comes from: packs written before 2026-12-01 hold a float16 copy
-    (``sekv.router.tw.l``); newer ones hold only its tau (``sekv.router.ttau``) and the file's name and
-    sha256 in their parameters, and W is read from that file (:func:`trained_file`), rounded through
-    float16 like the copy was, so both kinds of pack give the same W.
+    ``params.router``: ``"untrained"`` -> the pack's PCA-initialised router; a router file whose sha256
+    differs from the one the pack was ingested with (``sekv.router.sha256``) -> that file's W and tau (its
+    rank gate cannot act: ranks were fixed at ingest); anything else -> the trained router the pack was
+    ingested with (W from its file, rounded through float16; tau from the pack), or the untrained one where
+    the pack has none.
     """
     from pathlib import Path
 
     from . import router_file
 
     L = shape.n_layers
-    spec = str(params.get("router", "auto") or "auto")
+    spec = params.router or "auto"
     names = set(store.keys())
-    if spec not in ("untrained", "auto", "pack"):
+    sha = bytes(store.get("sekv.router.sha256").tolist()).hex() if "sekv.router.sha256" in names else ""
+    if spec not in ("untrained", "auto"):
         p = Path(spec).expanduser()
-        if p.is_file() and router_file.file_sha256(p) != params.get("router_sha256"):
+        if p.is_file() and router_file.file_sha256(p) != sha:
             rf = router_file.load(p)
             if tuple(rf.w.shape[:2]) != (L, shape.n_heads) or rf.w.shape[-1] != shape.head_dim:
                 from ..errors import SekvError
 
                 raise SekvError(f"--router: {p.name} does not fit this model's attention shape")
             return Router(rf.w.float(), rf.tau.float(), "file")
-    if spec != "untrained" and "sekv.router.tw.0" in names:
-        w = torch.stack([store.get(f"sekv.router.tw.{i}").float() for i in range(L)])
-        return Router(w, store.get("sekv.router.ttau").float(), "trained")
-    if spec != "untrained" and "sekv.router.ttau" in names and params.get("router_sha256"):
-        rf = trained_file(params)
+    if spec != "untrained" and sha:
+        rf = trained_file(spec, sha)
         if tuple(rf.w.shape[:2]) != (L, shape.n_heads) or rf.w.shape[-1] != shape.head_dim:
             from ..errors import PackError
 
@@ -141,29 +135,26 @@ def load(store, params: dict, shape) -> Router:
         return Router(rf.w.to(torch.float16).float(), store.get("sekv.router.ttau").float(), "trained")
     w = torch.stack([store.get(f"sekv.router.w.{i}").float() for i in range(L)])
     tau = store.get("sekv.router.tau").float()
-    if params.get("tau", 0) and float(params["tau"]) > 0:
-        tau = torch.full_like(tau, float(params["tau"]))
+    if params.tau > 0:
+        tau = torch.full_like(tau, params.tau)
     return Router(w, tau, "pack")
 
 
-def trained_file(params: dict):
-    """The trained router file a pack was ingested with: the recorded path (``params["router"]``) when its
-    sha256 is the recorded one (``params["router_sha256"]``), else a file with that sha256 among the shipped
-    routers (sekv_core/routers/: the pack was made with another install of sekv); PackError if neither.
-    (A file at the recorded path whose sha256 differs is not reached here: :func:`load` opens it as a
-    swapped-in router, like a ``--router`` file given at ask time.)"""
+def trained_file(spec: str, sha: str):
+    """The trained router file with sha256 ``sha``: the file ``spec`` names when it is that one, else one
+    among the shipped routers (sekv_core/routers/); PackError if neither."""
     from pathlib import Path
 
     from ..errors import PackError
     from . import router_file
 
-    want = str(params.get("router_sha256", ""))
-    p = Path(str(params.get("router", ""))).expanduser()
-    cands = ([p] if p.is_file() else []) + (sorted(router_file.BUILTIN_DIR.glob("*.safetensors")) if router_file.BUILTIN_DIR.is_dir() else [])
+    p = Path(spec).expanduser() if spec not in ("auto", "untrained") else None
+    cands = ([p] if p is not None and p.is_file() else []) + (sorted(router_file.BUILTIN_DIR.glob("*.safetensors")) if router_file.BUILTIN_DIR.is_dir() else [])
     for c in cands:
-        if router_file.file_sha256(c) == want:
+        if router_file.file_sha256(c) == sha:
             return router_file.load(c)
+    where = f"neither at {p} nor " if p is not None else ""
     raise PackError(
-        f"this pack was ingested with the trained router {p.name} (sha256 {want[:12]}...), which is neither at {p} "
-        "nor among the shipped routers; pass --router FILE (that file, or another router), --router untrained, or re-ingest"
+        f"this pack was ingested with a trained router (sha256 {sha[:12]}...) that is {where}among the shipped routers; "
+        "pass --router FILE (that file, or another router), --router untrained, or re-ingest"
     )

@@ -1,7 +1,7 @@
-"""Scout routing: one span ranking per question, shared by every layer (docs/sekv.md §7b, §7c).
+"""Scout routing: one span ranking per question, shared by every layer (docs/design.md, scout; docs/experiments/sekv-notebook.md §7b, §7c).
 
 A needle is answered when its span is zoomed in nearly every layer, yet at the question's tokens no single
-layer's attention, not even full KV's, reliably puts that span first (route diagnosis, docs/sekv.md §7b).
+layer's attention, not even full KV's, reliably puts that span first (route diagnosis, docs/experiments/sekv-notebook.md §7b).
 Summed over layers, it stands out.  So before a question is answered its tokens are run once over the
 memory (the *scout pass*, with the per-layer router).  At each layer the keys of every span are rebuilt
 from the factors a chunk at a time, and the question's attention mass on each span is what the
@@ -89,3 +89,61 @@ def _ranks(lens: torch.Tensor) -> torch.Tensor:
     """0..len-1 for each run: [sum(lens)]."""
     starts = torch.cumsum(lens, 0) - lens
     return torch.arange(int(lens.sum())) - torch.repeat_interleave(starts, lens)
+
+
+class Ranking:
+    """The question's ranking of zoom blocks, shared by every layer: a fixed device buffer (a captured CUDA graph
+    reads it), filled by a scout pass (``kind="scout"``); or every block alike, always (``kind="all"``: the
+    exactness check, every block expanded).
+
+    A ranking holds for the ask that follows its scout pass; a forward of an ask without one (a caller that
+    bypasses generate()) routes per layer."""
+
+    def __init__(self, kind: str, n_blocks: int, device):
+        self.kind = kind
+        self.prio = torch.zeros(n_blocks, device=device)
+        self.version = 0  # bumped with every new ranking: the batched step's fixed sets are keyed on it
+        self.scouting = False
+        self.ready = self.pending = kind == "all"
+        self._sum = None
+
+    def ranks(self) -> bool:
+        """Whether this forward keeps blocks in the ranking's order."""
+        return self.ready and not self.scouting
+
+    def new_ask(self) -> None:
+        if self.kind == "scout":
+            self.ready, self.pending = self.pending, False
+
+    def begin_pass(self) -> None:
+        self.scouting, self._sum = True, torch.zeros_like(self.prio)
+
+    def add_layer(self, q: torch.Tensor, exact_keys: torch.Tensor, scaling: float, block_lse) -> None:
+        """Add a layer's z-scored block masses for the question's queries q [Hkv, M, d] (float32); exact_keys
+        [Hkv, F+A, d]: the layer's full-resolution keys; block_lse: the step's (lse [E, M], group [E], block [E])
+        of the rebuilt blocks."""
+        other = torch.logsumexp(torch.bmm(q, exact_keys.float().transpose(1, 2)) * scaling, dim=-1)  # [Hkv, M]
+        lse, grp, sid = block_lse
+        self._sum += zscore(layer_mass(lse, grp, sid, other, self.prio.numel()))
+
+    def finish_pass(self, profile: torch.Tensor, profile_weight: float, lexical: torch.Tensor | None, lexical_weight: float) -> None:
+        """rank = the question's sum - profile_weight x the document profile, plus lexical_weight x the z-scored
+        lexical scores of the question's words (sekv/lexical.py) where any of them is in the document."""
+        rank = self._sum - profile_weight * profile
+        if lexical_weight > 0 and lexical is not None and float(lexical.max()) > 0:
+            rank = zscore(rank) + lexical_weight * zscore(lexical)
+        self.prio.copy_(rank)
+        self.version += 1
+        self.pending = True
+
+    def end_pass(self) -> None:
+        self.scouting, self._sum = False, None
+
+    def span_order(self, block_span: torch.Tensor, n_spans: int, limit: int = 32) -> list[int]:
+        """The spans in the order of their best-ranked zoom block (the first `limit`): the evidence order where
+        every layer expanded the same spans; computed once per ranking (step_stats runs every step)."""
+        cached = getattr(self, "_order", None)
+        if cached is None or cached[0] != self.version:
+            best = torch.full((n_spans,), float("-inf")).scatter_reduce(0, block_span, self.prio.float().cpu(), "amax")
+            self._order = cached = (self.version, torch.argsort(best, descending=True, stable=True)[:limit].tolist())
+        return list(cached[1])

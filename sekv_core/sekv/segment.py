@@ -14,10 +14,10 @@ the span); a span longer than ``max_span`` is split evenly (no anchor at the cut
 The greedy merge walks the candidate boundaries once (O(#boundaries)); all
 per-token work is vectorised.
 
-``auto_lengths`` gives the budget-driven defaults (docs/sekv.md has the measured
+``auto_lengths`` gives the budget-driven defaults (docs/design.md has the measured
 shares behind the constants).
 
-Ablations (docs/sekv.md, "Ablations"): ``anchors=False`` keeps no anchor at
+Ablations (sekv/params.py ABLATIONS): ``anchors=False`` keeps no anchor at
 full resolution -- no sinks and no boundary tokens: the boundaries are the
 anchored segmentation's, the sinks join the first span and each kept boundary
 token starts the next span instead (``n_sink=0`` alone only drops the sinks;
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
-#: share of the budget b*N the persistent anchors + coarse entries may take (see docs/sekv.md)
+#: share of the budget b*N the persistent anchors + coarse entries may take (docs/design.md)
 SPAN_SHARE = 0.25
-#: share of the budget b*N the local window takes (0.25 until 2026-12-01: the room it took from the zoom
-#: cost answers on short documents and pack size, and a tenth kept the needles; docs/sekv.md §1)
+#: share of the budget b*N the local window takes (a quarter took room from the zoom and cost answers on short
+#: documents and pack size; a tenth kept the needles: docs/design.md, segmentation)
 WINDOW_SHARE = 0.10
 WINDOW_MAX = 512
 

@@ -39,6 +39,7 @@ from ..methods.base import ModelShape
 from ..prefill import prefill
 from ..sekv import router as rt
 from ..sekv import router_file
+from ..sekv import compress as sekv_compress
 from ..sekv.rank_gate import RankGate, n_params
 from . import corpus, losses
 from .memory import CompressedContext, RouterParams, StudentMemory, TeacherMemory, compress_context
@@ -151,9 +152,9 @@ class Trainer:
         pre = prefill(self.model, torch.tensor(c.doc_ids), with_surprisal=True)
         pre.keys = [k.clone() for k in pre.keys]  # out of inference mode: the student saves them for backward
         pre.values = [v.clone() for v in pre.values]
-        seg = self.method.segmentation(pre, self.params)
-        ctx = compress_context(pre, seg, weighting=self.params["weighting"], rank=self.cfg.rank, pre_rope=self.params["key_space"] == "pre_rope")
-        ctx.window = self.method.lengths(pre.n_tokens, self.params)[2]
+        seg = sekv_compress.segmentation(pre, self.params)
+        ctx = compress_context(pre, seg, weighting=self.params.weighting, rank=self.cfg.rank, pre_rope=self.params.key_space == "pre_rope")
+        ctx.window = sekv_compress.lengths(pre.n_tokens, self.params)[2]
         return ctx
 
     def teacher(self, ctx: CompressedContext, s: Sample) -> tuple[torch.Tensor, dict[int, torch.Tensor], float]:
@@ -265,7 +266,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.router.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
 
     def loss(self, ctx: CompressedContext, s: Sample, t_logits, t_mass) -> tuple[torch.Tensor, dict[str, float]]:
-        stu = StudentMemory(ctx, self.router, self.cfg.temperature, float(self.params["budget"]))
+        stu = StudentMemory(ctx, self.router, self.cfg.temperature, self.params.budget)
         h = _decoder_forward(self.model, s.ids, ctx.n_tokens, stu, grad=True)
         s_logits = _logits(self.model, h, s.kl_pos)
         rec = stu.rec
@@ -312,7 +313,7 @@ class Trainer:
                 "shape": {"layers": self.shape.n_layers, "heads": self.shape.n_heads, "kv_heads": self.shape.n_kv_heads, "head_dim": self.shape.head_dim},
             },
             "hyper_parameters": self.cfg.to_json(),
-            "segmentation": {k: self.params[k] for k in ("budget", "alpha", "n_sink", "weighting", "key_space")},
+            "segmentation": {k: getattr(self.params, k) for k in ("budget", "alpha", "n_sink", "weighting", "key_space")},
             "data": self.data_info,
             "steps_done": self.step,
             "metrics_last_20_steps": metrics,

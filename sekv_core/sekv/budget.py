@@ -1,0 +1,103 @@
+"""The budget -> per-step cap rule and the zoom statistics of an ask, one object for both decode steps.
+
+The budget is b x the full KV of the DOCUMENT's tokens, held against the document's persistent part (full-resolution
+tokens, coarse entries, router state) plus what a step rebuilds.  The question's and generated tokens (the appended
+tail) are resident on top, like the baselines that never compress the question, and are reported separately
+(``appended_bytes``).  What is left, the expansion room, is split equally over the layers: each layer's cap.  A
+step may hold more persistent bytes of its own (the batched step's tables and masks): it passes them as
+``overhead``.
+
+Stats live on the step's device (the batched step never syncs for them) and are read only when asked for.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..methods.base import ModelShape
+
+
+class ZoomLedger:
+    def __init__(self, *, budget: float | None, zoom: str, shape: ModelShape, n_doc: int, n_base: int, router_bytes: int,
+                 entry_bytes: int, n_spans: int, device):
+        self.budget, self.zoom, self.shape = budget, zoom, shape
+        self.n_doc, self.n_base, self.router_bytes, self.entry_bytes = n_doc, n_base, router_bytes, entry_bytes
+        L = shape.n_layers
+        self.per_token = shape.n_kv_heads * entry_bytes * L  # resident bytes of one token, every layer
+        self.doc_persistent = n_base * self.per_token + router_bytes
+        self.budget_bytes = 0 if budget is None else int(budget * n_doc * shape.kv_bytes_per_token())
+        self.appended_bytes = self.persistent = self.resident = 0
+        self.steps = 0
+        self.stale = False
+        dev = torch.device(device)
+        self.step_spans = torch.zeros(n_spans, dtype=torch.bool, device=dev)
+        self.ask_spans = torch.zeros(n_spans, dtype=torch.bool, device=dev)
+        self.span_counts = torch.zeros(n_spans, dtype=torch.long, device=dev)
+        self.rate_sum = torch.zeros(L, dtype=torch.float64, device=dev)
+        self.h2d_step = torch.zeros((), dtype=torch.long, device=dev)
+        self.h2d_total = torch.zeros((), dtype=torch.long, device=dev)
+
+    # -- the cap --------------------------------------------------------------------------------------------
+
+    def room(self, overhead: int = 0) -> int | None:
+        """Bytes every layer together may rebuild at a step (None: no cap, "zoom all" or no budget; 0: no zoom)."""
+        if self.zoom == "none":
+            return 0
+        if self.budget is None or self.zoom == "all":
+            return None
+        return max(0, self.budget_bytes - self.doc_persistent - overhead)
+
+    def layer_cap(self, overhead: int = 0) -> int | None:
+        """One layer's share of the room, bytes."""
+        room = self.room(overhead)
+        return None if room is None else room // self.shape.n_layers
+
+    # -- one forward ----------------------------------------------------------------------------------------
+
+    def begin_forward(self, n_appended: int) -> None:
+        """Before a forward that leaves n_appended tokens after the document's (question, answer so far, new ones)."""
+        if self.stale:
+            self.reset()
+        self.steps += 1
+        self.step_spans.zero_()
+        self.h2d_step.zero_()
+        self.appended_bytes = n_appended * self.per_token
+        self.persistent = self.doc_persistent + self.appended_bytes
+        self.resident = self.persistent
+        if self.budget is None:  # no cap: the budget is the full KV
+            self.budget_bytes = (self.n_doc + n_appended) * self.shape.kv_bytes_per_token()
+
+    def count(self, layer: int, keep: torch.Tensor, expanded: torch.Tensor, h2d_bytes=0) -> None:
+        """A layer's zoom: keep [Hkv, S] (the (group, span) pairs rebuilt), expanded [H, S] (what each head sees)."""
+        spans = keep.any(0)
+        self.step_spans |= spans
+        self.ask_spans |= spans
+        self.span_counts += expanded.long().sum(0)
+        self.rate_sum[layer] += expanded.double().mean()
+        self.h2d_step += h2d_bytes
+        self.h2d_total += h2d_bytes
+
+    # -- the ask --------------------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """A new ask (in place: a captured CUDA graph holds these tensors)."""
+        for t in (self.step_spans, self.ask_spans, self.span_counts, self.rate_sum, self.h2d_step, self.h2d_total):
+            t.zero_()
+        self.steps = 0
+        self.stale = False
+
+    def stats(self) -> dict:
+        """The ``extra`` keys of ``step_stats()`` that the ledger knows (one device->host copy each)."""
+        counts = self.span_counts.cpu()
+        nz = torch.nonzero(counts).flatten()
+        rates = [(r / self.steps if self.steps else 0.0) for r in self.rate_sum.tolist()]
+        return {
+            "zoom_spans_step": int(self.step_spans.sum()),
+            "zoom_spans_total": int(self.ask_spans.sum()),
+            "h2d_bytes_step": int(self.h2d_step),
+            "h2d_bytes_total": int(self.h2d_total),
+            "zoom_rate_per_layer": rates,
+            "span_zoom_counts": {int(i): int(c) for i, c in zip(nz.tolist(), counts[nz].tolist())},
+            "budget_bytes": int(self.budget_bytes),
+            "appended_bytes": int(self.appended_bytes),
+        }

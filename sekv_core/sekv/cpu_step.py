@@ -1,0 +1,136 @@
+"""The reference zoom-in step (the CPU's): decisions on the host, ragged gathers of the factors.
+
+Per layer: route (the scout's ranking of zoom blocks, or the layer's own gates over whole spans), keep the
+(KV group, block) pairs in priority order while their bytes fit the layer's cap (attention.select), gather and
+rebuild the kept pairs' rows from the host factors, re-apply RoPE, place them per KV group and attend over
+[full-res | coarse | appended | rebuilt] under one additive mask (sekv/attention.py).  A layer whose kept set is the
+same as at its last step reuses the rows it rebuilt then.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import factorize as fz
+from . import scout
+from .attention import build_mask, mixed_attention, place, select
+from .budget import ZoomLedger
+from .residents import Residents
+from .scout import Ranking
+
+
+class CpuStep:
+    def __init__(self, res: Residents, ledger: ZoomLedger, ranking: Ranking | None):
+        self.res, self.ledger, self.ranking = res, ledger, ranking
+        self.cap: int | None = None
+        self.held: list[tuple | None] = [None] * res.shape.n_layers  # per layer: (keep, rows K, rows V, slot blocks)
+
+    def new_ask(self) -> None:
+        self.held = [None] * self.res.shape.n_layers
+
+    def begin_forward(self, n_new: int) -> None:
+        self.cap = self.ledger.layer_cap()
+
+    def resident_bytes(self) -> int:
+        return 0
+
+    def fold_stats(self) -> None:
+        """The ledger is up to date after every layer."""
+
+    def attend(self, layer, query, key, value, scaling):
+        r = self.res
+        keys, values = r.kv.append(layer, key, value)
+        keep, expanded = self._choose(layer, query)
+        slot_span, h2d = None, 0
+        if keep.any():
+            cached = self.held[layer]
+            if cached is not None and torch.equal(cached[0], keep):  # the same blocks as this layer's last step
+                rk, rv, slot_span = cached[1:]
+            else:
+                self.held[layer] = None  # release the old set before building the new one
+                rk, rv, slot_span, h2d = self._rebuild(layer, keep)
+                self.held[layer] = (keep, rk, rv, slot_span)
+            keys = torch.cat([keys, rk.unsqueeze(0)], 2)
+            values = torch.cat([values, rv.unsqueeze(0)], 2)
+        else:
+            self.held[layer] = None
+        mask = build_mask(
+            n_heads=query.shape[1], n_q=query.shape[2], n_full=r.n_full, log_n=r.log_n, expanded=expanded,
+            n_tail=r.kv.len[layer] - r.n_base, slot_span=slot_span, dtype=query.dtype, coarse=r.coarse_mask(expanded),
+        )
+        out = mixed_attention(query, keys, values, mask, scaling)
+        self._account(layer, keep, expanded, h2d)
+        return out
+
+    def _choose(self, layer: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> keep [Hkv, B] (the (group, block) pairs to rebuild), expanded [H, B] (what each query head sees)."""
+        r, cap = self.res, self.cap
+        H, hkv, B, dev = query.shape[1], r.shape.n_kv_heads, r.n_blocks, query.device
+        if B == 0 or cap == 0:  # nothing to zoom / the persistent part fills the budget
+            return torch.zeros(hkv, B, dtype=torch.bool, device=dev), torch.zeros(H, B, dtype=torch.bool, device=dev)
+        if self.ranking is not None and self.ranking.ranks():  # one ranking of zoom blocks for every layer
+            cand = torch.ones(H, B, dtype=torch.bool, device=dev)
+            keep = select(self.ranking.prio.view(1, -1).expand(hkv, -1), r.block_cost, cap)
+        else:  # the layer's gates over whole spans; a kept span is all of its blocks
+            cand, prio = r.gate_priorities(layer, query)
+            keep = select(prio, r.cost, cap)
+            if not r.whole_spans:
+                cand, keep = cand[:, r.block_span_dev], keep[:, r.block_span_dev]
+        expanded = keep.unsqueeze(1).expand(hkv, H // hkv, B).reshape(H, B)
+        if r.head_masks:  # SPEC §2.6: each head sees the tokens only of spans it wanted itself
+            expanded = expanded & cand
+        return keep, expanded
+
+    def _fetch(self, layer: int, g: torch.Tensor, b: torch.Tensor) -> fz.Fetch:
+        """The factor rows of (factor head g, zoom block b) pairs (host indices; g >= Hkv: value heads)."""
+        r = self.res
+        f, lay = r.factors[layer]
+        return fz.gather(f, lay, r.span_len, g, r.block_span[b], r.shape.head_dim, row0=r.block_off[b], rows=r.block_len[b])
+
+    def _rebuild(self, layer: int, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Fetch + rebuild the kept (group, block) pairs -> rows K / V [Hkv, U, d], slot block ids [Hkv, U], bytes
+        moved to the compute device."""
+        r = self.res
+        d, hkv = r.shape.head_dim, r.shape.n_kv_heads
+        g, i = torch.nonzero(keep.cpu(), as_tuple=True)  # sorted by group, then block
+        g2, i2 = torch.cat([g, g + hkv]), torch.cat([i, i])  # K blocks, then V blocks
+        dev = self._fetch(layer, g2, i2).to(r.device)
+        rows = fz.expand(dev, d, torch.float32)  # [2E, n_max, d]
+        e = g.numel()
+        idev = i.to(r.device)
+        rows[:e] = self._rotate(rows[:e], r.block_start_dev[idev])
+        out, blk, _ = place(rows.to(r.shape.dtype), g2.to(r.device), r.block_len_dev[i2.to(r.device)], 2 * hkv)
+        slot_span = torch.where(blk[:hkv] >= 0, idev[blk[:hkv].clamp_min(0)], torch.full_like(blk[:hkv], -1))
+        return out[:hkv], out[hkv:], slot_span, dev.nbytes()
+
+    def _rotate(self, rows: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """Rebuilt key rows [E, n_max, d] of blocks starting at token positions start [E], rotated to their positions."""
+        pos = start.view(-1, 1) + torch.arange(rows.shape[1], device=rows.device).view(1, -1)
+        return self.res.rotate(rows, pos)
+
+    def _account(self, layer: int, keep: torch.Tensor, expanded: torch.Tensor, h2d: int) -> None:
+        if keep.numel() == 0:
+            return
+        r, led = self.res, self.ledger
+        led.resident += int((keep.long() * r.block_len_dev.view(1, -1)).sum()) * r.entry_bytes
+        led.count(layer, r.span_level(keep), r.span_level(expanded), h2d)  # a span is zoomed when any of its blocks is
+
+    # -- the scout pass -------------------------------------------------------------------------------------
+
+    def block_lse(self, layer: int, q: torch.Tensor, scaling: float):
+        """The scout's logsumexps of every zoom block's rebuilt keys (post-RoPE) for queries q [Hkv, M, d], in
+        chunks of about the layer's cap in rebuilt keys (at least one block): -> (lse [E, M], group [E], block [E])."""
+        r = self.res
+        d, hkv = r.shape.head_dim, r.shape.n_kv_heads
+        per_block = hkv * int(r.block_len.max()) * d * 4
+        chunk = max(1, int((self.cap or per_block) // per_block))
+        lse, grp, sid = [], [], []
+        for a in range(0, r.n_blocks, chunk):
+            b = torch.arange(a, min(a + chunk, r.n_blocks)).repeat(hkv)
+            g = torch.arange(hkv).repeat_interleave(b.numel() // hkv)
+            gd, bd = g.to(r.device), b.to(r.device)
+            rows = self._rotate(fz.expand(self._fetch(layer, g, b).to(r.device), d, torch.float32), r.block_start_dev[bd])
+            lse.append(scout.span_logsumexp(q, rows, r.block_len_dev[bd], gd, scaling))
+            grp.append(gd)
+            sid.append(bd)
+        return torch.cat(lse), torch.cat(grp), torch.cat(sid)

@@ -1,0 +1,181 @@
+"""Fixed sets of the batched step: the kept blocks under a ranking, rebuilt once, attended many times.
+
+Under scout routing (and zoom "all") the kept set depends only on the question's ranking and the cap, not on
+the step's query, so it is the same for every forward of an answer.  Its rows live in the *annex* of the
+resident K/V buffers (``GrowingKV.set_annex``), U / Hkv rows per KV group: each group keeps the top of the
+ranking that fits its share, its rows written group-major after the resident capacity.  The forward that fills
+the set records it (the kept blocks, each group's row count); later forwards with the same slots and ranking
+only attend, with **one** SDPA call over resident memory and slots together (an additive mask: coarse entries
+with +log n_i or hidden, the tail by length, each group's filled rows): no fetch, no rebuild, nothing crosses
+PCIe.  A reused forward counts the stats its fill recorded (folded into the ledger when stats are read).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import blocks as fb
+from .budget import ZoomLedger
+from .residents import Residents
+from .scout import Ranking
+
+
+class FixedSets:
+    def __init__(self, res: Residents, ledger: ZoomLedger, ranking: Ranking, blocks: list[fb.Blocks], head_group: torch.Tensor):
+        self.res, self.ledger, self.ranking, self.blocks, self.head_group = res, ledger, ranking, blocks, head_group
+        L, S, dev = res.shape.n_layers, res.n_spans, res.device
+        self.hkv = res.shape.n_kv_heads
+        self.min_block = int(res.block_len.min()) if res.n_blocks else 1
+        self.keep: list[torch.Tensor] = []  # per layer: the kept (group, block) pairs [Hkv, B]
+        self.n: list[torch.Tensor] = []  # per layer: each group's filled rows [Hkv]
+        self.filled_for: list = [None] * L  # per layer: the key() its set was filled for
+        self.mask: list = [None] * L  # per layer: [1, H, 1, capacity + rows] (a step only unmasks its own token)
+        self.reused_now = [False] * L
+        # what each layer's fill recorded, added to the ledger once per reuse (reuses counts them)
+        self.reuses = torch.zeros(L, dtype=torch.long, device=dev)
+        self.spans = torch.zeros(L, S, dtype=torch.bool, device=dev)
+        self.counts = torch.zeros(L, S, dtype=torch.long, device=dev)
+        self.rate = torch.zeros(L, dtype=torch.float64, device=dev)
+
+    def key(self, u: int):
+        """Identity of this forward's kept set when it cannot depend on the query (under a ranking), else None:
+        (slot count, ranking version, resident buffers' generation, truncations: a truncated tail must be
+        hidden again, which the fill's mask does)."""
+        if not self.ranking.ranks():
+            return None
+        return (u, self.ranking.version, self.res.kv.generation, self.res.kv.truncations)
+
+    def reusable_layers(self, key) -> list[bool]:
+        return [key is not None and x == key for x in self.filled_for]
+
+    def allocate(self, rows: int) -> None:
+        r, L, dev = self.res, self.res.shape.n_layers, self.res.device
+        r.kv.set_annex(rows)  # a realloc of the resident buffers
+        self.keep = [torch.zeros(self.hkv, r.n_blocks, dtype=torch.bool, device=dev) for _ in range(L)]
+        self.n = [torch.zeros(self.hkv, dtype=torch.long, device=dev) for _ in range(L)]
+        self.filled_for = [None] * L
+        self.mask = [None] * L
+
+    def mask_bytes(self, cap: int, rows: int) -> int:
+        """The masks: one column per resident entry (capacity cap) and per annex row, every head, every layer."""
+        r = self.res
+        isz = r.entry_bytes // (2 * r.shape.head_dim)
+        return r.shape.n_layers * r.shape.n_heads * (cap + rows) * isz
+
+    def static_begin(self, key) -> None:
+        self.reused_now = self.reusable_layers(key)  # what a replayed step does
+
+    # -- stats ----------------------------------------------------------------------------------------------
+
+    def reset_stats(self) -> None:
+        for t in (self.reuses, self.spans, self.counts, self.rate):
+            t.zero_()
+
+    def _fold(self, layer: int | None = None) -> None:
+        """Add the reuses counted (all layers, or one) to the ledger: each is one forward of the recorded stats."""
+        sl = slice(None) if layer is None else slice(layer, layer + 1)
+        w, led = self.reuses[sl], self.ledger
+        led.span_counts += (w.view(-1, 1) * self.counts[sl]).sum(0)
+        led.rate_sum[sl] += w.double() * self.rate[sl]
+        led.ask_spans |= ((w.view(-1, 1) > 0) & self.spans[sl]).any(0)
+        w.zero_()
+
+    def fold_stats(self) -> None:
+        with torch.inference_mode():  # the stats tensors were made inside a forward
+            self._fold()
+            now = [layer for layer, reused in enumerate(self.reused_now) if reused]
+            if now:  # this step's spans include the reused sets'
+                self.ledger.step_spans |= self.spans[now].any(0)
+
+    # -- the step -------------------------------------------------------------------------------------------
+
+    def attend(self, layer: int, query: torch.Tensor, scaling: float, lim, key) -> torch.Tensor:
+        r = self.res
+        reuse = self.filled_for[layer] == key
+        self.reused_now[layer] = reuse
+        if reuse:
+            self.reuses[layer].add_(1)
+            return self._joint_attention(layer, query, scaling, lim, fresh=False)
+        self._fold(layer)  # before its recorded stats are replaced
+        keep, words = self._fill(layer)
+        expanded = keep.repeat_interleave(query.shape[1] // self.hkv, 0)
+        keep_s, exp_s = r.span_level(keep), r.span_level(expanded)
+        self.spans[layer].copy_(keep_s.any(0))
+        self.counts[layer].copy_(exp_s.sum(0))
+        self.rate[layer].copy_(exp_s.double().mean())
+        self.filled_for[layer] = key
+        out = self._joint_attention(layer, query, scaling, lim, fresh=True, expanded=expanded)
+        self.ledger.count(layer, keep_s, exp_s, words * 8)
+        return out
+
+    def _fill(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fetch and rebuild a layer's set into the annex: each KV group keeps the top of the ranking of zoom
+        blocks that fits its U / Hkv rows, written group-major; a block's rows come from its span's factor block.
+        -> (keep [Hkv, B], words moved)."""
+        r = self.res
+        hkv, s, nb, d, dev = self.hkv, r.n_spans, r.n_blocks, r.shape.head_dim, r.device
+        ak, av = r.kv.annex_kv(layer)
+        ug = ak.shape[-2]
+        prio = self.ranking.prio.view(1, -1).expand(hkv, -1)
+        pg = min(nb, ug // max(1, self.min_block) + 1)
+        top, idx = torch.topk(prio, pg, dim=1, sorted=True)  # [Hkv, pg] blocks, the same for every group
+        n = r.block_len_dev[idx]
+        ok = torch.cumprod((torch.cumsum(n, 1) <= ug).to(torch.int8), 1).bool()
+        grp = torch.arange(hkv, device=dev).view(-1, 1)
+        b = self.blocks[layer]
+        # a span's factor block is fetched once, by its first kept block; its other blocks read those rows (first
+        # occurrence from a [pg, pg] comparison: no host sync)
+        span = r.block_span_dev[idx]  # [Hkv, pg]
+        first = (span.unsqueeze(2) == span.unsqueeze(1)).to(torch.int8).argmax(2)  # [Hkv, pg]: first pair of the same span
+        fetch_ok = ok & (first == torch.arange(pg, device=dev).view(1, -1))
+        rows, words = fb.fetch(b, (grp * s + span).flatten(), fetch_ok.flatten())
+        us, vt = fb.unpack(b, rows, r.shape.dtype)
+        rec = torch.matmul(us, vt)  # [Hkv * pg, 2, n_max, d]; rows of pairs not fetched are unused
+        n_ok = torch.where(ok, n, torch.zeros_like(n))
+        ends = torch.cumsum(n_ok, 1)  # [Hkv, pg]
+        t = torch.arange(ug, device=dev).view(1, -1).expand(hkv, -1).contiguous()
+        p_of = torch.searchsorted(ends, t, right=True).clamp_max(pg - 1)  # row t of group g <- its pair p, row j
+        j_of = t - (ends - n_ok).gather(1, p_of)
+        slot_ok = (t < ends[:, -1:]).view(-1, 1)
+        blk = idx.gather(1, p_of)  # row t of group g <- block blk, its row j_of, from the pair that fetched its span
+        src = torch.where(slot_ok.view(hkv, ug), (grp * pg + first.gather(1, p_of)) * b.n_max + r.block_off_dev[blk] + j_of, torch.zeros_like(t)).flatten()
+        krows = r.rotate(rec[:, 0].reshape(-1, d).index_select(0, src), (r.block_start_dev[blk] + j_of).flatten())
+        ak[0].copy_(krows.masked_fill(~slot_ok, 0).view(hkv, ug, d))
+        av[0].copy_(rec[:, 1].reshape(-1, d).index_select(0, src).masked_fill(~slot_ok, 0).view(hkv, ug, d))
+        keep = torch.zeros(hkv, nb, dtype=torch.bool, device=dev).scatter_(1, idx, ok)
+        self.keep[layer].copy_(keep)
+        self.n[layer].copy_(ends[:, -1])
+        return keep, words
+
+    def _joint_attention(self, layer: int, query: torch.Tensor, scaling: float, lim, fresh: bool, expanded=None) -> torch.Tensor:
+        """One SDPA over a layer's resident buffer and its annex, under the set's mask: full-resolution tokens;
+        coarse entries with +log n_i, hidden where the group expanded the span; the tail up to lim (the resident
+        length after this forward; causal among its q new tokens); each group's filled annex rows.
+        fresh: build the mask (a fill); else unmask only the new token(s)."""
+        r = self.res
+        jk, jv = r.kv.jk[layer], r.kv.jv[layer]
+        h, q = query.shape[1], query.shape[2]
+        cap = r.kv.k[layer].shape[-2]
+        ug = jk.shape[-2] - cap
+        dev = query.device
+        if fresh:
+            if self.mask[layer] is None or self.mask[layer].shape[-1] != cap + ug:
+                self.mask[layer] = torch.empty(1, h, 1, cap + ug, dtype=query.dtype, device=dev)
+            p = torch.arange(cap, device=dev)
+            mk = torch.empty(h, cap + ug, device=dev)
+            mk[:, :cap] = torch.where(p < lim, 0.0, float("-inf")).view(1, cap)
+            mk[:, r.n_full : r.n_base] = r.coarse_mask(expanded)
+            rows = torch.arange(ug, device=dev).view(1, -1) < self.n[layer].index_select(0, self.head_group).view(-1, 1)
+            mk[:, cap:] = torch.where(rows, 0.0, float("-inf"))
+            self.mask[layer].copy_(mk.view(1, h, 1, -1))
+        mask = self.mask[layer]
+        if torch.is_tensor(lim):  # one new token at lim - 1 (a device scalar: graphs)
+            if not fresh:
+                mask.index_fill_(-1, (lim - 1).view(1), 0.0)
+        elif not fresh:
+            mask[..., lim - q : lim] = 0.0
+        if q > 1:  # causal among the new tokens
+            mask = mask.expand(1, h, q, cap + ug).clone()
+            mask[0, :, :, lim - q : lim] += torch.full((q, q), float("-inf"), device=dev).triu(1).to(mask.dtype)
+        return F.scaled_dot_product_attention(query, jk, jv, attn_mask=mask, scale=scaling, enable_gqa=jk.shape[1] != h)

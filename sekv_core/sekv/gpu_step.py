@@ -1,0 +1,290 @@
+"""The batched zoom-in step for accelerators: no host sync, fixed shapes, one fetch per layer.
+
+The reference step (sekv/cpu_step.py) learns on the host which blocks were kept (``nonzero`` + ``.cpu()``),
+gathers their ragged factors on the CPU and places them per KV group: a device->host sync and a CPU gather per
+layer.  Here every decision stays on the device:
+
+* routing as in the reference; the budget cap is :func:`attention.select_topk`, a fixed-size top-P of the
+  (group, span) priorities (P = the most pairs the cap can hold), so no shape depends on the data;
+* the kept pairs' factor blocks are fetched with one gather from pinned host memory (sekv/blocks.py),
+  dequantised and rebuilt with one batched product, RoPE re-applied, and written into a **flat, preallocated**
+  buffer of U token slots per layer (all KV groups together; slot -> group and span ids);
+* one float32 softmax over the resident memory and the flat slots, each query head seeing its own group's
+  slots of the spans it expanded (:func:`attention.flat_attention`).
+
+Under a ranking (scout routing, zoom all) the kept set does not depend on the step's query: it is a *fixed
+set* (sekv/fixed_set.py), rebuilt once per ranking into the annex of the resident buffers and attended with
+one SDPA call.
+
+Budget: the flat buffers are sized once from the cap (U = what the per-layer cap holds once this step's own
+tables are counted, so the size stays within the budget for the whole ask) and they, their slot tables and
+the block tables are all counted as resident, allocated or not filled.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import blocks as fb
+from . import scout
+from .attention import build_mask, flat_attention, select_topk
+from .budget import ZoomLedger
+from .fixed_set import FixedSets
+from .residents import Residents
+from .scout import Ranking
+
+
+class BatchedStep:
+    def __init__(self, res: Residents, ledger: ZoomLedger, ranking: Ranking | None):
+        self.res, self.ledger, self.ranking = res, ledger, ranking
+        sh = res.shape
+        self.d, self.hkv, self.L = sh.head_dim, sh.n_kv_heads, sh.n_layers
+        wd = res.device if res.cuda else None
+        self.blocks = [fb.build(f, res.span_len, self.d, res.device, pin=res.cuda, work_device=wd) for f, _ in res.factors]
+        self.table_bytes = sum(b.index_bytes() for b in self.blocks)
+        self.uva = all(b.uva for b in self.blocks)
+        self.min_len = int(res.span_len.min()) if res.n_spans else 1
+        self.span_tokens = int(res.span_len.sum())
+        self.U = -1  # token slots per layer (-1: not sized yet)
+        self.P = 0  # the most (group, span) pairs U slots hold
+        self.rk: list[torch.Tensor] = []
+        self.rv: list[torch.Tensor] = []
+        self.head_group = torch.arange(sh.n_heads, device=res.device) // (sh.n_heads // self.hkv)
+        self.fixed = FixedSets(res, ledger, ranking, self.blocks, self.head_group) if ranking is not None else None
+        self.g_len = torch.zeros((), dtype=torch.long, device=res.device)  # static steps: the visible length
+
+    def new_ask(self) -> None:
+        if self.fixed is not None:
+            self.fixed.reset_stats()
+
+    # -- budget ---------------------------------------------------------------------------------------------
+
+    def _slots(self) -> int | None:
+        """Token slots per layer the cap holds (None: no cap)."""
+        r = self.res
+        overhead = self.table_bytes + self.L * self.hkv * (r.n_blocks + 8)  # block tables, the fixed sets' tables
+        per_slot = r.entry_bytes
+        if self.fixed is not None:  # the fixed sets' masks: the resident columns, plus a column per group's row
+            overhead += self.fixed.mask_bytes(r.kv.k[-1].shape[-2], 0)
+            per_slot += self.fixed.mask_bytes(0, 1) // (self.L * self.hkv)
+        cap = self.ledger.layer_cap(overhead)
+        return None if cap is None else cap // per_slot
+
+    def begin_forward(self, n_new: int) -> None:
+        r = self.res
+        for layer in range(self.L):  # the capacity this forward needs, now (a fixed set's mask is sized by it)
+            r.kv.reserve(layer, r.kv.len[layer] + n_new)
+        now = self._slots()
+        if now is None:
+            want = self.hkv * self.span_tokens
+        else:
+            want = None if 0 <= self.U <= now else now
+        if r.n_spans == 0:
+            want = 0 if self.U < 0 else None
+        if want is not None and want != self.U:
+            self._allocate(want)
+        self.ledger.resident = self.ledger.persistent + self.resident_bytes()
+
+    def _allocate(self, u: int) -> None:
+        r = self.res
+        self.rk = self.rv = []
+        if self.fixed is not None:  # U / Hkv rows per group, after the resident capacity
+            u -= u % self.hkv
+            self.fixed.allocate(u // self.hkv)
+        self.U = u
+        self.P = 0 if u == 0 else min(self.hkv * r.n_spans, u // max(1, self.min_len) + 1)
+        if self.fixed is None:
+            self.rk = [torch.zeros(u, self.d, dtype=r.shape.dtype, device=r.device) for _ in range(self.L)]
+            self.rv = [torch.zeros_like(t) for t in self.rk]
+
+    def resident_bytes(self) -> int:
+        """Device bytes beyond the resident KV + router: block tables, slot buffers (capacity), slot tables and
+        the fixed sets' masks (at the size they will have)."""
+        r = self.res
+        b = self.table_bytes + self.L * (max(0, self.U) * r.entry_bytes + self.hkv * (r.n_blocks + 8))
+        if self.fixed is not None and self.U > 0:
+            b += self.fixed.mask_bytes(r.kv.k[-1].shape[-2], self.U // self.hkv)
+        return b
+
+    def fixed_key(self):
+        """Identity of this forward's fixed set, None where the kept set depends on the query."""
+        return None if self.fixed is None or self.U <= 0 else self.fixed.key(self.U)
+
+    def fold_stats(self) -> None:
+        if self.fixed is not None:
+            self.fixed.fold_stats()
+
+    # -- the step -------------------------------------------------------------------------------------------
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+        r = self.res
+        if r.kv.static:  # one token, inside a whole-step graph (static_begin ran on the host)
+            kb, vb = r.kv.append(layer, key, value)
+            with _tf32(query.is_cuda and query.dtype != torch.float32):
+                return self._core(layer, query, kb, vb, self._length_mask(query.shape[1], kb.shape[-2]), scaling, self.g_len)
+        keys, values = r.kv.append(layer, key, value)
+        h, q = query.shape[1], query.shape[2]
+        n_tail = r.kv.len[layer] - r.n_base
+
+        def resident_mask(expanded):
+            return build_mask(n_heads=h, n_q=q, n_full=r.n_full, log_n=r.log_n, expanded=expanded, n_tail=n_tail, slot_span=None, dtype=torch.float32)
+
+        with _tf32(query.is_cuda and query.dtype != torch.float32):
+            return self._core(layer, query, keys, values, resident_mask, scaling, r.kv.len[layer])
+
+    def _core(self, layer, query, keys, values, resident_mask, scaling, lim) -> torch.Tensor:
+        """Route, cap, fetch, rebuild, attend, count: shapes depend only on the memory, never on the data.
+        lim: the resident length after this forward's tokens (an int, or a device scalar for one token)."""
+        h, s, d, dev = query.shape[1], self.res.n_spans, self.d, query.device
+        if self.U <= 0:
+            expanded = torch.zeros(h, s, dtype=torch.bool, device=dev)
+            empty = keys.new_zeros(0, d)
+            return flat_attention(query, keys, values, resident_mask(expanded), empty, empty, torch.zeros(h, 0, dtype=torch.bool, device=dev), scaling)
+        fixed = self.fixed_key()
+        if fixed is not None:  # a fixed set in the annex: every head of a kept group sees it
+            return self.fixed.attend(layer, query, scaling, lim, fixed)
+        return self._routed(layer, query, keys, values, resident_mask, scaling)
+
+    def _routed(self, layer, query, keys, values, resident_mask, scaling) -> torch.Tensor:
+        """Per-layer routing (the router's gates for this forward's queries) into the flat slots."""
+        r = self.res
+        h, hkv, s, d, u, dev = query.shape[1], self.hkv, r.n_spans, self.d, self.U, query.device
+        cand, prio = r.gate_priorities(layer, query)
+        pair, ok = select_topk(prio, r.span_len_dev, u, self.P)
+        g, i = pair // s, pair % s
+        keep = torch.zeros(hkv * s, dtype=torch.bool, device=dev).index_put_((pair,), ok).view(hkv, s)
+        expanded = keep.repeat_interleave(h // hkv, 0)
+        if r.head_masks:
+            expanded = expanded & cand
+        b = self.blocks[layer]
+        rows, words = fb.fetch(b, pair, ok)
+        # dequantised and multiplied in the model dtype (bf16 on GPU: tensor cores; int8 levels are exact in bf16,
+        # and the factors' quantisation error dominates bf16 rounding)
+        us, vt = fb.unpack(b, rows, r.shape.dtype)
+        rec = torch.matmul(us, vt)  # [P, 2, n_max, d]; rows past n_i unused
+        # fill the flat slots by gathering rows (slot t <- pair p(t), row j(t)); a scatter would pile the unused
+        # rows onto one sink row, which serialises on the GPU
+        n_ok = torch.where(ok, r.span_len_dev[i], torch.zeros_like(i))
+        ends = torch.cumsum(n_ok, 0)
+        t = torch.arange(u, device=dev)
+        p_of = torch.searchsorted(ends, t, right=True).clamp_max(pair.numel() - 1)  # slot -> pair
+        j_of = t - (ends - n_ok)[p_of]  # slot -> row within its span
+        slot_ok = t < ends[-1]
+        src = torch.where(slot_ok, p_of * b.n_max + j_of, torch.zeros_like(t))
+        krows = r.rotate(rec[:, 0].reshape(-1, d).index_select(0, src), r.span_start_dev[i][p_of] + j_of)
+        empty_slot = ~slot_ok.view(-1, 1)  # their rows come from an unfetched block: any bits, so select zeros
+        if self.fixed is not None:  # a per-layer-routed forward of a fixed-set memory (the scout pass): workspace rows
+            rk = krows.to(r.shape.dtype).masked_fill(empty_slot, 0)
+            rv = rec[:, 1].reshape(-1, d).index_select(0, src).masked_fill(empty_slot, 0)
+        else:
+            rk, rv = self.rk[layer][:u], self.rv[layer][:u]
+            rk.copy_(krows.masked_fill(empty_slot, 0))
+            torch.index_select(rec[:, 1].reshape(-1, d), 0, src, out=rv)
+            rv.masked_fill_(empty_slot, 0)
+        # head h sees slot t iff t is filled, t's group is h's and h itself wanted t's span
+        mine = self.head_group.view(1, -1) == g.view(-1, 1)  # [P, H]
+        if r.head_masks:
+            mine = mine & cand.t()[i]
+        visible = (mine.index_select(0, p_of) & slot_ok.view(-1, 1)).t()  # [H, U]
+        out = flat_attention(query, keys, values, resident_mask(expanded), rk, rv, visible, scaling)
+        self.ledger.count(layer, keep, expanded, words * 8)
+        return out
+
+    # -- static single-token steps (sekv_core/graphed_step.py) ------------------------------------------------
+
+    def static_begin(self) -> None:
+        """Host side of a static single-token step: buffers and the visible length."""
+        self.begin_forward(1)
+        self.g_len.fill_(self.res.kv.len[0] + 1)
+        if self.fixed is not None:
+            self.fixed.static_begin(self.fixed_key())
+
+    def static_key(self) -> tuple:
+        """What a captured step fixed: the slot buffers, the slot count, fixed set or per-layer routing and, per
+        layer, whether its set is reused."""
+        reuse = tuple(self.fixed.reusable_layers(self.fixed_key())) if self.fixed is not None else ()
+        return (self.U, tuple(t.data_ptr() for t in self.rk), self.fixed_key() is not None) + reuse
+
+    def _length_mask(self, h: int, t: int):
+        """resident_mask over a whole buffer of capacity t: entries at or past g_len hidden (a device scalar)."""
+        r = self.res
+
+        def resident_mask(expanded):
+            p = torch.arange(t, device=expanded.device)
+            mask = torch.where(p < self.g_len, 0.0, float("-inf")).view(1, t).repeat(h, 1)
+            mask[:, r.n_full : r.n_base] = torch.where(expanded, float("-inf"), r.log_n.float().view(1, -1))
+            return mask.view(1, h, 1, t)
+
+        return resident_mask
+
+    # -- the scout pass -------------------------------------------------------------------------------------
+
+    def block_lse(self, layer: int, q: torch.Tensor, scaling: float):
+        """The scout's logsumexps of the zoom blocks from this step's factor blocks (one per (group, span)), in
+        chunks of as many pairs as a step may fetch (float32): -> (lse [E, M], group [E], block [E])."""
+        r, S = self.res, self.res.n_spans
+        b = self.blocks[layer]
+        n_pairs = self.hkv * S
+        chunk = max(self.P, 64)
+        first, counts, per_span, row_block = self._span_blocks()
+        lse, grp, sid = [], [], []
+        for a in range(0, n_pairs, chunk):
+            pair = torch.arange(a, min(a + chunk, n_pairs), device=r.device)
+            rows, _ = fb.fetch(b, pair, torch.ones_like(pair, dtype=torch.bool))
+            us, vt = fb.unpack(b, rows, torch.float32)
+            g, i = pair // S, pair % S
+            keys = torch.matmul(us[:, 0], vt[:, 0])  # [P, n_max, d]; rows past n_i are masked
+            keys = r.rotate(keys, r.span_start_dev[i].view(-1, 1) + torch.arange(keys.shape[1], device=r.device).view(1, -1))
+            if r.whole_spans:
+                lse.append(scout.span_logsumexp(q, keys, r.span_len_dev[i], g, scaling))
+                grp.append(g)
+                sid.append(i)
+                continue
+            # one segmented logsumexp: each row's exp (against its pair's max) summed into its block of the span
+            logits = torch.bmm(q[g], keys.transpose(1, 2)) * scaling  # [P, M, n_max]
+            rb = row_block[i]  # [P, n_max]: the block-within-span of each row, -1 past the span
+            mx = logits.masked_fill((rb < 0).unsqueeze(1), float("-inf")).amax(-1, keepdim=True)  # [P, M, 1]
+            e = torch.exp(logits - mx).masked_fill((rb < 0).unsqueeze(1), 0.0)
+            sums = torch.zeros(*e.shape[:2], per_span, device=r.device).scatter_add_(2, rb.clamp_min(0).unsqueeze(1).expand_as(e), e)
+            part = (sums.log() + mx).transpose(1, 2).reshape(-1, e.shape[1])  # [P * per_span, M]
+            k = torch.arange(per_span, device=r.device).view(1, -1)
+            has = (k < counts[i].view(-1, 1)).flatten()
+            lse.append(part[has])
+            grp.append(g.view(-1, 1).expand(-1, per_span).flatten()[has])
+            sid.append((first[i].view(-1, 1) + k).flatten()[has])
+        return torch.cat(lse), torch.cat(grp), torch.cat(sid)
+
+    def _span_blocks(self) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+        """(first zoom block of each span [S], its number of blocks [S], the most blocks a span has, the block-within-
+        span of each row of each span [S, n_max] (-1 past its end)), on the device; computed once."""
+        if getattr(self, "_span_block_tables", None) is None:
+            r = self.res
+            counts = torch.bincount(r.block_span, minlength=r.n_spans)
+            first = torch.cumsum(counts, 0) - counts
+            n_max = int(r.span_len.max())
+            row_block = torch.full((r.n_spans, n_max), -1, dtype=torch.long)
+            for k in range(int(counts.max())):  # the k-th block of each span that has one
+                b = (first + k)[counts > k]
+                rows = r.block_off[b].view(-1, 1) + torch.arange(n_max).view(1, -1)
+                inside = rows < (r.block_off[b] + r.block_len[b]).view(-1, 1)
+                sp = r.block_span[b].view(-1, 1).expand_as(rows)
+                row_block[sp[inside], rows[inside]] = k
+            self._span_block_tables = (first.to(r.device), counts.to(r.device), int(counts.max()), row_block.to(r.device))
+        return self._span_block_tables
+
+
+class _tf32:
+    """float32 products on tensor cores (TF32) inside the step: the inputs are bf16 / int8-times-scale values,
+    which TF32's 10-bit mantissa holds (bf16: 7 bits) or rounds far below their quantisation error."""
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        if self.on:
+            self.old = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = True
+
+    def __exit__(self, *exc):
+        if self.on:
+            torch.backends.cuda.matmul.allow_tf32 = self.old

@@ -1,0 +1,153 @@
+"""The tensors of a sekv pack: what compress writes and open reads (all prefixed ``sekv.``; L layers).
+
+  config [8] int64: N, L, Hkv, d, min_span, max_span, window, n_sink
+  key_space [1] int64: 1 = keys factorised before RoPE, 0 = after
+  rope_inv_freq [d/2] float32, rope_scaling [1] float32 (pre-RoPE packs)
+  span_start / span_end [S] int64, full_idx [F] int64, anchor_idx [A] int64
+  full.k.l / full.v.l     [Hkv, F, d]  store dtype (sekv/params.py store_dtype)
+  coarse.k.l / coarse.v.l [Hkv, S, d]  store dtype
+  router.w.l [Hw, d_r, d] store dtype, router.norm.l [Hw, S] float32, router.tau [L, H] float32: the untrained router
+  router.ttau [L, H] float32, router.sha256 [32] uint8: the trained router the pack was made with (its W is read
+                   from the router file at open, sekv/router.py)
+  scout.profile [S] float32, scout.profile_blocks [B] float32, scout.profile_unit [1] int64: the document end's
+                   span / zoom-block profile (sekv/scout.py)
+  lex.terms [N] int32: the tokens' word terms (sekv/lexical.py)
+  fk.l.* / fv.l.*  key / value factors (sekv/factorize.py); with factor_bits 4 coded at rest (sekv/codec.py,
+                   factor_codec [4-5] int64, + factor_codec.fv where the values' code differs), decoded to int8 at open
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import codec
+from . import factorize as fz
+from .params import SekvParams
+
+CONFIG_FIELDS = ("n_tokens", "n_layers", "n_kv_heads", "head_dim", "min_span", "max_span", "window", "n_sink")
+
+
+def read_config(store) -> dict[str, int]:
+    return dict(zip(CONFIG_FIELDS, store.get("sekv.config").tolist()))
+
+
+def store_dtype(params: SekvParams, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the pack's full-resolution tokens, coarse entries and PCA W: the model's when it is 16-bit, else
+    float16 (a float32 model on a CPU without bf16 would double them: the 3.2K manual's pack 0.228 -> 0.19 of the raw
+    fp16 KV); ``store_dtype="model"`` keeps the model's (exactness tests)."""
+    if params.store_dtype == "model" or model_dtype in (torch.float16, torch.bfloat16):
+        return model_dtype
+    return torch.float16
+
+
+def read_factors(store, names: set[str], prefix: str, device=None) -> fz.Factors:
+    """One layer's key or value factors; coded (factor_bits 4) factors are decoded to int8 here, on ``device``."""
+    coded = codec.read_factors(store, names, prefix, device=device)
+    if coded is not None:
+        return coded
+    scaled = f"{prefix}.us_scale" in names
+    return fz.Factors(
+        store.get(f"{prefix}.us"),
+        store.get(f"{prefix}.vt"),
+        store.get(f"{prefix}.rank"),
+        store.get(f"{prefix}.us_scale") if scaled else None,
+        store.get(f"{prefix}.vt_scale") if scaled else None,
+    )
+
+
+def router_sha256(store, names: set[str]) -> str:
+    """The sha256 of the trained router the pack was made with, "" for an untrained one."""
+    if "sekv.router.sha256" not in names:
+        return ""
+    return bytes(store.get("sekv.router.sha256").tolist()).hex()
+
+
+def sha256_tensor(hex_digest: str) -> torch.Tensor:
+    return torch.tensor(list(bytes.fromhex(hex_digest)), dtype=torch.uint8)
+
+
+def _bad(what: str):
+    from ..errors import PackError
+
+    return PackError(f"{what}; the pack is damaged or was not written by sekv, re-ingest the document")
+
+
+def validate(store, shape, n_tokens: int) -> None:
+    """Every tensor the memory (sekv/memory.py) and describe() read, against the table above: dtypes, shapes against
+    N / S / F and the model, spans inside the document and disjoint, indices in range, ranks <= min(span length, d),
+    and the factors' and codes' lengths.  Raises PackError (the parameters were checked by SekvParams)."""
+    from ..pack import FLOATS, TensorSpec as T, check_tensors, model_dims
+
+    L, N = shape.n_layers, n_tokens
+    dims = check_tensors(store, [T("sekv.config", ("int64",), (8,)), T("sekv.key_space", ("int64",), (1,), values=(0, 1))], model_dims(shape, N))
+    c = [int(x) for x in store.get("sekv.config").tolist()]
+    if c[:4] != [N, L, shape.n_kv_heads, shape.head_dim] or not (1 <= c[4] <= c[5] < 2**31 and 0 <= c[6] < 2**31 and 0 <= c[7] < 2**31):
+        raise _bad("tensor 'sekv.config' does not match the document and model")
+    pre = int(store.get("sekv.key_space")[0]) == 1
+    f32 = ("float32",)
+    dims = check_tensors(store, [
+        T("sekv.rope_inv_freq", f32, (shape.head_dim // 2,), optional=not pre, finite=True),
+        T("sekv.rope_scaling", f32, (1,), optional=not pre, finite=True),
+        T("sekv.span_start", ("int64",), ("S",), values=(0, N - 1), increasing=True),
+        T("sekv.span_end", ("int64",), ("S",), values=(1, N), increasing=True),
+        T("sekv.full_idx", ("int64",), ("F",), values=(0, N - 1)),
+        T("sekv.anchor_idx", ("int64",), ("A",), values=(0, N - 1)),
+        *(T(f"sekv.{p}.{kv}.{{l}}", FLOATS, ("Hkv", n, "d"), finite=True) for p, n in (("full", "F"), ("coarse", "S")) for kv in "kv"),
+        T("sekv.router.w.{l}", FLOATS, ("Hw", "dr", "d"), finite=True),
+        T("sekv.router.norm.{l}", f32, ("Hw", "S"), finite=True),
+        T("sekv.router.tau", f32, ("L", "H"), finite=True),
+        T("sekv.router.ttau", f32, ("L", "H"), optional=True, finite=True),
+        T("sekv.router.sha256", ("uint8",), (32,), optional=True),
+        T("sekv.lex.terms", ("int32",), ("N",), optional=True, values=(-1, 2**31 - 1)),
+        T("sekv.scout.profile", f32, ("S",), optional=True, finite=True),
+        T("sekv.scout.profile_blocks", f32, ("B",), optional=True, finite=True),
+        T("sekv.scout.profile_unit", ("int64",), (1,), optional=True, values=(0, N)),
+        *(T(f"sekv.{k}.{{l}}.rank", ("int16",), ("Hkv", "S"), values=(0, shape.head_dim)) for k in ("fk", "fv")),
+    ], dims, L)
+    if dims["Hw"] not in (shape.n_heads, shape.n_kv_heads) or not 1 <= dims["dr"] <= 4096:
+        raise _bad("the router's shape does not match the model")
+    start, end = store.get("sekv.span_start"), store.get("sekv.span_end")
+    n = end - start
+    if bool((n <= 0).any()) or bool((start[1:] < end[:-1]).any()) or dims["F"] + int(n.sum()) != N:
+        raise _bad("the spans are empty, overlap, or do not cover the document with the full-resolution tokens")
+    names = set(store.keys())
+    if ("sekv.router.sha256" in names) != ("sekv.router.ttau" in names):
+        raise _bad("the trained router's tensors 'sekv.router.sha256' and 'sekv.router.ttau' come only together")
+    hkv, d, T_ = shape.n_kv_heads, shape.head_dim, int(n.sum())
+    for i in range(L):
+        for kind in ("fk", "fv"):
+            check_tensors(store, _factor_specs(store, names, f"sekv.{kind}.{i}", kind, n, hkv, d, T_), {})
+
+
+def _factor_specs(store, names: set[str], p: str, kind: str, n: torch.Tensor, hkv: int, d: int, T_: int) -> list:
+    """The tensors of one layer's key or value factors (float, int8, or 4-bit coded), with their lengths."""
+    from ..pack import FLOATS, TensorSpec as T
+
+    r = store.get(f"{p}.rank").long()
+    if bool((r > n.view(1, -1)).any()):
+        raise _bad(f"tensor '{p}.rank' holds ranks above their span's length")
+    rs, n_us, n_vt = int(r.sum()), int((r * n.view(1, -1)).sum()), int(r.sum()) * d
+    cfg = None
+    if codec.CONFIG in names or codec.config_name("fv") in names:
+        for cn in {codec.CONFIG, codec.config_name(kind)} & names:
+            ct = store.get(cn)
+            v = [int(x) for x in ct.tolist()] if ct.dtype == torch.int64 and ct.dim() == 1 and ct.numel() in (4, 5) else None
+            if v is None or not (2 <= v[0] <= 4096 and v[0] % 2 == 0 and 0 <= v[1] < len(codec.LEVELS) and 0 <= v[2] < len(codec.ORDERS)
+                                 and 0 <= v[3] <= d and (len(v) == 4 or 0 <= v[4] < len(codec.SCALES))):
+                raise _bad(f"tensor '{cn}' is not a factor codec")
+        cfg = codec.kind_config(store, names, kind)
+    if cfg is not None and f"{p}.{codec.code_names(cfg['levels'])[0]}" in names:
+        b, g, lead = codec.bits_of(cfg["levels"]), cfg["group"], cfg["lead"]
+        n_lead = int(torch.minimum(r, torch.tensor(lead)).sum()) * d
+        m = n_vt - n_lead
+        cu, mu, cv, mv = codec.code_names(cfg["levels"])
+        want = {cu: (n_us * b + 7) // 8, mu: codec.n_groups(n_us, g), cv: (m * b + 7) // 8, mv: codec.n_groups(m, g)}
+        specs = [T(f"{p}.{k}", ("uint8",), (v,)) for k, v in want.items()] + [T(f"{p}.vt.lead", ("int8",), (n_lead,))]
+        if cfg["scales"] == "log8":
+            return specs + [T(f"{p}.us_scale.l8", ("uint8",), (hkv * T_,)), T(f"{p}.vt_scale.l8", ("uint8",), (rs,)),
+                            *(T(f"{p}.{k}_scale.l8p", ("float32",), (2,), finite=True) for k in ("us", "vt"))]
+        return specs + [T(f"{p}.us_scale", ("float16",), (hkv * T_,), finite=True), T(f"{p}.vt_scale", ("float16",), (rs,), finite=True)]
+    if f"{p}.us_scale" in names:
+        return [T(f"{p}.us", ("int8",), (n_us,)), T(f"{p}.vt", ("int8",), (n_vt,)),
+                T(f"{p}.us_scale", ("float16",), (hkv * T_,), finite=True), T(f"{p}.vt_scale", ("float16",), (rs,), finite=True)]
+    return [T(f"{p}.us", FLOATS, (n_us,), finite=True), T(f"{p}.vt", FLOATS, (n_vt,), finite=True)]

@@ -1,0 +1,147 @@
+"""The runtime memory of a sekv pack (the method's ``KVMemory``).
+
+It opens the pack (sekv/residents.py), keeps the ask's budget and stats (sekv/budget.py) and the question's
+ranking (sekv/scout.py), and hands each layer's attention to one step: the reference step on the CPU
+(sekv/cpu_step.py), the batched, sync-free step on accelerators (sekv/gpu_step.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..methods.base import KVMemory, ModelShape, StepStats
+from . import factorize as fz
+from .budget import ZoomLedger
+from .cpu_step import CpuStep
+from .gpu_step import BatchedStep
+from .params import SekvParams
+from .residents import Residents
+from .scout import Ranking
+
+
+class ZoomMemory(KVMemory):
+    """Public beyond KVMemory: ``spans()`` (span id -> (start, end) token range), ``step_stats()`` (docs/design.md
+    lists the ``extra`` keys), ``res`` (the opened pack), ``ranking`` and ``step``."""
+
+    def __init__(self, store, params: SekvParams, shape: ModelShape, device):
+        self.params, self.shape = params, shape
+        self.res = res = Residents(store, params, shape, device)
+        self.device = res.device
+        self.ledger = ZoomLedger(budget=params.ask_budget, zoom=params.zoom, shape=shape, n_doc=res.n_doc, n_base=res.n_base,
+                                 router_bytes=res.router_bytes, entry_bytes=res.entry_bytes, n_spans=res.n_spans, device=res.device)
+        if params.zoom == "all":
+            self.ranking = Ranking("all", res.n_blocks, res.device)
+        elif params.zoom == "router" and params.routing == "scout":
+            self.ranking = Ranking("scout", res.n_blocks, res.device)
+        else:
+            self.ranking = None
+        #: accelerators take the batched step; the CPU the reference step (settable between asks)
+        self.batched = res.cuda
+        self.step: CpuStep | BatchedStep | None = None
+
+    def _step(self) -> CpuStep | BatchedStep:
+        kind = BatchedStep if self.batched else CpuStep
+        if type(self.step) is not kind:
+            self.step = kind(self.res, self.ledger, self.ranking)
+        return self.step
+
+    # -- KVMemory -------------------------------------------------------------------------------------------
+
+    def n_tokens(self) -> int:
+        return self.res.n_doc + self.res.kv.len[-1] - self.res.n_base
+
+    def truncate(self, n_tokens: int) -> None:
+        self.res.kv.truncate(self.res.n_base + max(0, n_tokens - self.res.n_doc))
+        self.ledger.stale = True  # this ask's stats stay readable until the next forward starts
+
+    def resident_bytes(self) -> int:
+        return self.res.kv.nbytes() + self.res.router_bytes + (self.step.resident_bytes() if self.step is not None else 0)
+
+    def spans(self) -> list[tuple[int, int]]:
+        return list(zip(self.res.span_start.tolist(), self.res.span_end.tolist()))
+
+    def step_stats(self) -> StepStats:
+        if self.step is not None:
+            self.step.fold_stats()
+        ranked = self.ranking is not None and self.ranking.kind == "scout" and self.ranking.ready and self.res.n_spans
+        order = self.ranking.span_order(self.res.block_span, self.res.n_spans) if ranked else []
+        resident = self.ledger.resident if self.ledger.steps else self.resident_bytes()
+        return StepStats(resident_bytes=int(resident), extra={**self.ledger.stats(), "span_order": order})
+
+    def _begin_forward(self, n_new: int) -> None:
+        if self.ledger.stale:
+            self._new_ask()
+        self.ledger.begin_forward(self.res.kv.len[-1] + n_new - self.res.n_base)
+        self._step().begin_forward(n_new)
+
+    def _new_ask(self) -> None:
+        self.ledger.reset()
+        if self.ranking is not None:
+            self.ranking.new_ask()
+        if self.step is not None:
+            self.step.new_ask()
+
+    # -- the scout pass -------------------------------------------------------------------------------------
+
+    def prepare_question(self, forward, question: str | None = None) -> None:
+        """Scout pass (routing "scout"): run the question once with the per-layer router, summing each layer's
+        z-scored masses of the zoom blocks; the answer's forwards then rank blocks by the sum (minus the document
+        profile), plus ``lexical_weight`` x the z-scored lexical score of the question's text (sekv/lexical.py).
+        forward() runs the question's tokens through the model over this memory; they are dropped afterwards."""
+        if self.ranking is None or self.ranking.kind != "scout" or self.res.n_spans == 0:
+            return
+        base = self.n_tokens()
+        self.ranking.begin_pass()
+        try:
+            forward()
+            lex = None
+            if self.params.lexical_weight > 0 and question and self.res.lexicon is not None:
+                lex = self.res.lexicon.scores(question).to(self.device)
+            self.ranking.finish_pass(self.res.scout_profile, self.params.profile_weight, lex, self.params.lexical_weight)
+        finally:
+            self.ranking.end_pass()
+            self.truncate(base)
+
+    def _scout_layer(self, layer: int, query: torch.Tensor, scaling: float) -> None:
+        hkv, d = self.shape.n_kv_heads, self.shape.head_dim
+        q = query[0].float().reshape(hkv, -1, d)  # [Hkv, G*T, d]: a group's heads and tokens
+        self.ranking.add_layer(q, self.res.exact_keys(layer), scaling, self.step.block_lse(layer, q, scaling))
+
+    # -- attention ------------------------------------------------------------------------------------------
+
+    def attend(self, layer, query, key, value, scaling):
+        if self.device.type != "cpu":
+            return self._attend(layer, query, key, value, scaling)
+        # small tensor ops: one intra-op thread is faster (BLAS threading on [2, 7, 64] products costs 20x)
+        with fz.single_thread():
+            return self._attend(layer, query, key, value, scaling)
+
+    def _attend(self, layer, query, key, value, scaling):
+        if layer == 0 and not self.res.kv.static:  # static steps: static_begin() did it
+            self._begin_forward(query.shape[-2])
+        out = self.step.attend(layer, query, key, value, scaling)
+        if self.ranking is not None and self.ranking.scouting:
+            self._scout_layer(layer, query, scaling)
+        return out
+
+    # -- static single-token steps (sekv_core/graphed_step.py) ----------------------------------------------
+
+    def static_supported(self) -> bool:
+        return self.batched  # the batched step has no host sync
+
+    def static_begin(self) -> None:
+        self._step()
+        self.res.kv.static_begin()
+        if self.ledger.stale:
+            self._new_ask()
+        self.ledger.begin_forward(self.res.kv.len[-1] + 1 - self.res.n_base)
+        self.step.static_begin()
+
+    def static_key(self):
+        return self.res.kv.static_key() + self.step.static_key()
+
+    def static_end(self) -> None:
+        self.res.kv.advance(1)
+
+    def static_mode(self):
+        return self.res.kv.static_mode()

@@ -1,0 +1,143 @@
+"""An opened sekv pack: what both decode steps read.
+
+On the compute device: the full-resolution tokens and the coarse span entries (with the appended tokens after them,
+one growing buffer per layer), the router, the span and zoom-block tables.  On the host: the packed factors (never
+moved whole; a step fetches the rows of the blocks it expands).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..errors import PackError
+from ..methods.base import GrowingKV, ModelShape
+from . import factorize as fz
+from . import layout, lexical, rope, router
+from .attention import coarse_scores, route
+from .params import SekvParams
+from .segment import zoom_blocks
+
+
+def apply_tau_mode(rt: router.Router, mode: str) -> router.Router:
+    """``per_head``: the router as loaded; ``global``: every (layer, head) threshold replaced by one value, the
+    probability whose logit is the mean of the per-head logit thresholds."""
+    if mode == "per_head":
+        return rt
+    tau = torch.full_like(rt.tau, float(torch.sigmoid(rt.logit_tau().double().mean())))
+    return dataclasses.replace(rt, tau=tau)
+
+
+class Residents:
+    """The tensors and tables of one opened pack (read-only after open, except the growing K/V buffers)."""
+
+    def __init__(self, store, params: SekvParams, shape: ModelShape, device):
+        device = torch.device(device)
+        self.shape, self.device, self.cuda = shape, device, device.type == "cuda"
+        cfg = layout.read_config(store)
+        if (cfg["n_layers"], cfg["n_kv_heads"], cfg["head_dim"]) != (shape.n_layers, shape.n_kv_heads, shape.head_dim):
+            raise PackError("the sekv pack's attention shape does not match the model; re-ingest the document")
+        self.n_doc = cfg["n_tokens"]
+        self.names = set(store.keys())
+        self._spans(store, params.block_unit)
+        self.pre_rope = bool(store.get("sekv.key_space")[0])
+        if self.pre_rope:
+            self.inv_freq = store.get("sekv.rope_inv_freq").float().to(device)
+            self.rope_scaling = float(store.get("sekv.rope_scaling")[0])
+        L = shape.n_layers
+        # [full-res | coarse] per layer, the appended tokens after them
+        keys = [torch.cat([store.get(f"sekv.full.k.{i}"), store.get(f"sekv.coarse.k.{i}")], 1).to(shape.dtype) for i in range(L)]
+        vals = [torch.cat([store.get(f"sekv.full.v.{i}"), store.get(f"sekv.coarse.v.{i}")], 1).to(shape.dtype) for i in range(L)]
+        self.n_base = self.n_full + self.n_spans
+        self.kv = GrowingKV.from_tensors(keys, vals, device, extra=256)
+        self._router(store, params)
+        # K and V factors stacked per layer, so one gather and one batched product serve both (V: heads Hkv..2Hkv-1)
+        self.factors: list[tuple[fz.Factors, fz.Layout]] = []
+        for i in range(L):
+            f = fz.stack_kv(*(layout.read_factors(store, self.names, f"sekv.{kind}.{i}", device=device) for kind in ("fk", "fv")))
+            self.factors.append((f, fz.Layout.of(f, self.span_len, shape.head_dim)))
+        isz = torch.empty(0, dtype=shape.dtype).element_size()
+        self.entry_bytes = 2 * shape.head_dim * isz  # K+V of one token of one KV head
+        self.cost = (self.span_len * self.entry_bytes).to(device)  # bytes to rebuild span i for one KV group
+        self.block_cost = (self.block_len * self.entry_bytes).to(device)  # ... zoom block b
+        self.head_masks = params.head_masks
+        self.lexicon = lexical.Lexicon(store.get("sekv.lex.terms"), self.block_start, self.block_len) if "sekv.lex.terms" in self.names and self.n_blocks else None
+        self.scout_profile = self._profile(store, params.block_unit)
+
+    def _spans(self, store, unit: int) -> None:
+        """Spans and zoom blocks (sekv/segment.py zoom_blocks; unit 0: whole spans), on the host and the device."""
+        dev = self.device
+        self.span_start = store.get("sekv.span_start").long()
+        self.span_end = store.get("sekv.span_end").long()
+        self.span_len = self.span_end - self.span_start
+        self.n_spans = int(self.span_start.numel())
+        self.n_full = int(store.get("sekv.full_idx").numel())
+        bs, b0, b1 = zoom_blocks(self.span_start, self.span_end, unit)
+        self.block_span, self.block_start, self.block_len = bs.long(), b0.long(), (b1 - b0).long()
+        self.block_off = self.block_start - self.span_start[self.block_span]
+        self.n_blocks = int(self.block_span.numel())
+        self.whole_spans = self.n_blocks == self.n_spans and bool((self.block_len == self.span_len).all())
+        self.block_span_dev, self.block_len_dev = self.block_span.to(dev), self.block_len.to(dev)
+        self.block_off_dev, self.block_start_dev = self.block_off.to(dev), self.block_start.to(dev)
+        self.span_len_dev, self.span_start_dev = self.span_len.to(dev), self.span_start.to(dev)
+
+    def _router(self, store, params: SekvParams) -> None:
+        shape, dev, L = self.shape, self.device, self.shape.n_layers
+        rt = apply_tau_mode(router.load(store, params, shape), params.tau_mode)
+        self.router_source = rt.source
+        self.w = rt.w.to(dev, shape.dtype)  # [L, Hw, d_r, d]
+        if rt.source == "pack":
+            norms = torch.stack([store.get(f"sekv.router.norm.{i}").float() for i in range(L)])
+        else:  # a router from a file: the norms of its own W
+            norms = torch.stack([router.span_norms(rt.w[i], store.get(f"sekv.coarse.k.{i}")) for i in range(L)])
+        self.inv_norm = (1.0 / (norms.clamp_min(1e-6) * math.sqrt(rt.d_r))).to(dev)  # [L, Hw, S]
+        self.logit_tau = rt.logit_tau().to(dev)  # [L, H]
+        self.log_n = self.span_len.float().log().to(dev)
+        # per-document router state counts as resident KV; a trained W is a model parameter (the same for every
+        # document, like the model's own projections), so only the untrained, per-document PCA W is counted
+        per_doc = (self.inv_norm, self.logit_tau, self.log_n) + ((self.w,) if rt.source == "pack" else ())
+        self.router_bytes = sum(t.numel() * t.element_size() for t in per_doc)
+
+    def _profile(self, store, unit: int) -> torch.Tensor:
+        """The document profile per zoom block: the pack's block profile when it was made for this unit, else the
+        span profile given to each of a span's blocks."""
+        if "sekv.scout.profile_blocks" in self.names and int(store.get("sekv.scout.profile_unit")[0]) == unit:
+            prof = store.get("sekv.scout.profile_blocks").float()
+            if prof.numel() == self.n_blocks:
+                return prof.to(self.device)
+        return store.get("sekv.scout.profile").float()[self.block_span].to(self.device)
+
+    # -- shared by both steps -------------------------------------------------------------------------------
+
+    def span_level(self, x: torch.Tensor) -> torch.Tensor:
+        """[R, B] bool over zoom blocks -> [R, S] bool over spans: a span is set when any of its blocks is."""
+        if self.whole_spans:
+            return x
+        bs = self.block_span_dev if x.device == self.block_span_dev.device else self.block_span.to(x.device)
+        return torch.zeros(x.shape[0], self.n_spans, device=x.device).index_add_(1, bs, x.float()) > 0
+
+    def coarse_mask(self, expanded: torch.Tensor) -> torch.Tensor:
+        """The coarse entries' additive scores [H, S] for a head x block expansion [H, B]: + log of the tokens of the
+        span not expanded, -inf where all of them are (SPEC §2.5 with whole spans: + log n_i or hidden)."""
+        if self.whole_spans:
+            return torch.where(expanded, float("-inf"), self.log_n.float().view(1, -1))
+        return coarse_scores(expanded, self.block_span_dev, self.block_len_dev, self.span_len_dev)
+
+    def rotate(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE packs: rebuilt key rows [..., d] rotated to their token positions [...] (float32); else as is."""
+        if not self.pre_rope or rows.numel() == 0:
+            return rows
+        return rope.rotate(rows, positions, self.inv_freq, self.rope_scaling, self.shape.dtype)
+
+    def gate_priorities(self, layer: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-layer router (SPEC §2.2-2.4): (head candidates [H, S], group priority [Hkv, S]) for this forward."""
+        kbar = self.kv.k[layer][0, :, self.n_full : self.n_base]
+        logits = router.gate_logits(query[0], self.w[layer], kbar, self.inv_norm[layer], self.log_n)
+        return route(logits, self.logit_tau[layer], self.shape.n_kv_heads)
+
+    def exact_keys(self, layer: int) -> torch.Tensor:
+        """A layer's keys at full resolution: the document's full-resolution tokens and the appended ones [Hkv, F+A, d]."""
+        k = self.kv.k[layer][0]
+        return torch.cat([k[:, : self.n_full], k[:, self.n_base : self.kv.len[layer]]], 1)
