@@ -53,6 +53,7 @@ import torch
 
 from ..errors import SekvError
 from .base import CacheMethod, GrowingKV, KVMemory, ModelShape, PrefillResult, StepStats, TensorStore, causal_attention
+from .full import FullMemory
 from .scores import check_budget, kept_tokens
 
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
@@ -182,7 +183,7 @@ def wov_norms(values: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     return sq.clamp_min(0).sqrt().reshape(hkv * g, c)
 
 
-class ReconstructionMemory(KVMemory):
+class ReconstructionMemory(FullMemory):
     """The document's full KV (a copy) + one reconstruction pass's tokens; scores the pass's attention.
 
     ``span`` is the chunk being reconstructed; ``x_norm`` (per layer, filled by a pre-hook on the
@@ -191,9 +192,8 @@ class ReconstructionMemory(KVMemory):
 
     def __init__(self, prefill: PrefillResult, sinks: int, extra: int):
         device = prefill.keys[0].device
-        self.shape = prefill.shape
+        super().__init__(GrowingKV.from_tensors(prefill.keys, prefill.values, device, extra=extra), prefill.shape)
         self.n_doc = prefill.n_tokens
-        self.kv = GrowingKV.from_tensors(prefill.keys, prefill.values, device, extra=extra)
         self.sinks = sinks
         self.scores = [torch.zeros(self.shape.n_kv_heads, self.n_doc, device=device) for _ in range(self.shape.n_layers)]
         self.span = (0, 0)
@@ -208,15 +208,6 @@ class ReconstructionMemory(KVMemory):
         self.scores[layer][:, a:b] = chunk_scores(query[0], keys[0], scaling, self.n_doc, self.span, self.sinks,
                                                   self.x_norm.get(layer) if self.grams is not None else None, wov)
         return out
-
-    def n_tokens(self) -> int:
-        return self.kv.len[-1]
-
-    def truncate(self, n_tokens: int) -> None:
-        self.kv.truncate(n_tokens)
-
-    def resident_bytes(self) -> int:
-        return self.kv.nbytes()
 
 
 def kvzip_scores(prefill: PrefillResult, p: KVzipParams) -> list[torch.Tensor]:
