@@ -314,7 +314,7 @@ def main() -> None:
 
     from sekv_core import models, prompt
 
-    out = Path(a.out)
+    out = Path(a.out).resolve()  # the worker runs in /tmp
     out.mkdir(parents=True, exist_ok=True)
     lm = models.load(a.model, device="cpu", dtype=torch.float32)
     tok = lm.tokenizer
