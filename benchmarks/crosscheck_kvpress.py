@@ -285,9 +285,50 @@ def score_agreement(ours: list, theirs: list, start: int) -> dict:
     return {"score_max_abs_diff": float((a - b).abs().max()), "score_max_rel_diff": float((a - b).abs().max() / b.abs().max())}
 
 
+def answer_positions(tok, p: dict) -> list[int]:
+    """Token positions of the expected answer's first occurrence in the document prefix ([] if it is not there)."""
+    text, value = p.get("ctx_text", ""), p["expected"][0]
+    if value not in text:
+        return []
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    if enc["input_ids"] != p["ctx_ids"]:
+        return []
+    a = text.index(value)
+    return [i for i, (x, y) in enumerate(enc["offset_mapping"]) if x < a + len(value) and y > a]
+
+
 def jaccard(a: list[int], b: list[int]) -> float:
     sa, sb = set(a), set(b)
     return len(sa & sb) / max(1, len(sa | sb))
+
+
+def run_both(a, lm, out: Path, prompts: list, runs: list, stop: list) -> tuple[dict, dict]:
+    """The kvpress worker (a subprocess in its virtualenv) and our side; both results, also written to OUT."""
+    import torch
+
+    job = {"model_dir": str(lm.path), "prompts": prompts, "stop_ids": stop, "max_new": a.max_new, "runs": runs,
+           "verify_hooks": a.verify_hooks}
+    (out / "job.json").write_text(json.dumps(job))
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    kv_out = out / "kvpress.json"
+    proc = subprocess.Popen([a.kvpress_python, str(Path(__file__).resolve()), "--kvpress-worker", str(out / "job.json"), str(kv_out)],
+                            env=env, cwd="/tmp")
+    # the kvpress side runs while we compute ours (2 processes; timings are not the point here), or first
+    if a.sequential:
+        proc.wait()
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // (1 if a.sequential else 2)))
+
+    def budgets_for(cr: float, n: int) -> float:
+        return round(1.0 - cr, 6) if a.our_rounding else int(n * (1 - cr)) / n
+
+    ours = our_side(lm, prompts, runs, a.max_new, budgets_for)
+    (out / "sekv.json").write_text(json.dumps(ours))
+    if proc.wait() != 0:
+        sys.exit(f"the kvpress worker failed (exit {proc.returncode}); see its messages above")
+    theirs = json.loads(kv_out.read_text())
+    return ours, theirs
 
 
 def main() -> None:
@@ -296,6 +337,7 @@ def main() -> None:
     ap.add_argument("--kvpress-python", default="/work/venvs/kvpress/bin/python")
     ap.add_argument("--runs", default=",".join(f"{m}@{cr}" for m, cr in RUNS),
                     help="comma-separated METHOD@CR, METHOD one of snapkv, streamingllm, kvzip, kvzip_plus (kvpress compression ratio CR)")
+    ap.add_argument("--report-only", action="store_true", help="compare what OUT holds from an earlier run (no model runs)")
     ap.add_argument("--sequential", action="store_true", help="run the kvpress side first, then ours (one heavy process at a time)")
     ap.add_argument("--out", default="/tmp/crosscheck_kvpress")
     ap.add_argument("--tokens", type=int, default=2500, help="haystack prompt length in tokens")
@@ -337,28 +379,13 @@ def main() -> None:
                         "context_start": reconstruction_prompts(tok, ctx_text, ctx_ids)["context_start"],
                         "q_ids": prompt.encode(tok, prompt.question_suffix(tok, question)), "expected": expected})
     stop = sorted(prompt.stop_token_ids(tok, getattr(lm.model, "generation_config", None)))
-    job = {"model_dir": str(lm.path), "prompts": prompts, "stop_ids": stop, "max_new": a.max_new, "runs": runs,
-           "verify_hooks": a.verify_hooks}
-    (out / "job.json").write_text(json.dumps(job))
-
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    kv_out = out / "kvpress.json"
-    proc = subprocess.Popen([a.kvpress_python, str(Path(__file__).resolve()), "--kvpress-worker", str(out / "job.json"), str(kv_out)],
-                            env=env, cwd="/tmp")
-    # the kvpress side runs while we compute ours (2 processes; timings are not the point here), or first
-    if a.sequential:
-        proc.wait()
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // (1 if a.sequential else 2)))
-
-    def budgets_for(cr: float, n: int) -> float:
-        return round(1.0 - cr, 6) if a.our_rounding else int(n * (1 - cr)) / n
-
-    ours = our_side(lm, prompts, runs, a.max_new, budgets_for)
-    (out / "sekv.json").write_text(json.dumps(ours))
-    if proc.wait() != 0:
-        sys.exit(f"the kvpress worker failed (exit {proc.returncode}); see its messages above")
-    theirs = json.loads(kv_out.read_text())
+    if a.report_only:  # compare what OUT already holds (the prompts and runs it was made with)
+        job = json.loads((out / "job.json").read_text())
+        prompts, runs = job["prompts"], [tuple(r) for r in job["runs"]]
+        ours = json.loads((out / "sekv.json").read_text())
+        theirs = json.loads((out / "kvpress.json").read_text())
+    else:
+        ours, theirs = run_both(a, lm, out, prompts, runs, stop)
 
     dec = lambda ids: tok.decode(ids, skip_special_tokens=True).strip()  # noqa: E731
     rows, summary = [], {}
@@ -386,6 +413,13 @@ def main() -> None:
                 row["kept_smaller_side_contained"] = both / max(1, min(row["kept_pairs_ours"], row["kept_pairs_kvpress"]))
             if "scores" in o.get(key, {}):
                 row.update(score_agreement(o[key]["scores"], k[key]["scores"], p["context_start"]))
+            pos = answer_positions(tok, p)
+            if key != "full" and pos:  # how much of the expected answer's tokens each side kept
+                for side, res in (("ours", o[key]), ("kvpress", k[key])):
+                    fr = [len(set(pos) & set(h)) / len(pos) for layer in res["kept"] for h in layer]
+                    row[f"answer_tokens_kept_share_{side}"] = round(sum(fr) / len(fr), 4)
+                    row[f"heads_keeping_all_answer_tokens_{side}"] = f"{sum(f == 1 for f in fr)}/{len(fr)}"
+                    row[f"heads_keeping_no_answer_token_{side}"] = f"{sum(f == 0 for f in fr)}/{len(fr)}"
             rows.append(row)
     for key in ["full"] + [f"{m}@{cr}" for m, cr in runs]:
         rs = [r for r in rows if r["run"] == key]
