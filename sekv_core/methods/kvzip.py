@@ -113,7 +113,8 @@ def reconstruction_prompts(tokenizer, text: str, ids: list[int]) -> dict[str, An
     head = prompt.template_head(tokenizer)
     head_ids = prompt.encode(tokenizer, head) if head else []
     if not text.startswith(head) or list(ids[: len(head_ids)]) != head_ids:
-        raise ValueError("kvzip_prompts: the document prefix does not start with the chat template's head")
+        raise SekvError("kvzip: the document prefix's tokens do not start with the chat template's head's tokens "
+                        "(a tokenizer that merges across it); kvzip cannot tell where the context starts")
     return {"context_start": len(head_ids), "first": prompt.encode(tokenizer, FIRST_PROMPT),
             "next": prompt.encode(tokenizer, NEXT_PROMPT), "turn_end": prompt.encode(tokenizer, _turn_end(tokenizer))}
 
