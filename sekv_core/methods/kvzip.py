@@ -362,6 +362,20 @@ class KVzipMethod(CacheMethod):
             out[f"kvzip.idx.{i}"] = torch.cat(layer).to(torch.int32).contiguous()
         return out
 
+    def validate(self, store: TensorStore, params, shape: ModelShape, n_tokens: int) -> None:
+        """The pack's kept pairs: per layer S_l rows of K, V and positions, S_l the sum of that layer's counts."""
+        from ..errors import PackError
+        from ..pack import FLOATS, INTS, TensorSpec as T, check_tensors, model_dims
+
+        dims = check_tensors(store, [T("kvzip.n_doc", ("int64",), (1,), values=(n_tokens, n_tokens)),
+                                     T("kvzip.counts", ("int64",), ("L", "Hkv"), values=(0, n_tokens)),
+                                     *(T(f"kvzip.{kv}.{{l}}", FLOATS, ("S{l}", "d"), finite=True) for kv in "kv"),
+                                     T("kvzip.idx.{l}", INTS, ("S{l}",), values=(0, max(0, n_tokens - 1)))],
+                             model_dims(shape, n_tokens), shape.n_layers)
+        counts = store.get("kvzip.counts").sum(1).tolist()
+        if any(int(c) != dims[f"S{i}"] for i, c in enumerate(counts)):
+            raise PackError("tensor 'kvzip.counts' does not match the kept pairs stored per layer; re-ingest the document")
+
     def _split(self, store: TensorStore, name: str, layer: int) -> list[torch.Tensor]:
         counts = store.get("kvzip.counts")[layer].tolist()
         return list(torch.split(store.get(f"kvzip.{name}.{layer}"), counts))
