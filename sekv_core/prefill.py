@@ -64,4 +64,4 @@ def prefill(
     values = [memory.kv.v[i][0, :, :n] for i in range(shape.n_layers)]
     scores = memory.export() if capture else {}
     return PrefillResult(ids[0].cpu(), keys, values, surprisal if with_surprisal else None, shape, scores=scores,
-                         model_fingerprint=str(getattr(model, "sekv_fingerprint", "")), model_id=str(getattr(model, "sekv_model_id", "")))
+                         model_fingerprint=str(getattr(model, "sekv_fingerprint", "")), model_id=str(getattr(model, "sekv_model_id", "")), model=model)

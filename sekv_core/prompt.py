@@ -53,6 +53,14 @@ def document_prefix(tokenizer, document: str) -> str:
     return head + _user_first(document)
 
 
+def template_head(tokenizer) -> str:
+    """The chat template's text before the first user message's content (system prompt and user header): the
+    start of document_prefix()."""
+    if tokenizer.chat_template is None:
+        return ""
+    return _render(tokenizer, _messages(_DOC, [_Q], [])).split(_user_first(_DOC))[0]
+
+
 def question_suffix(tokenizer, question: str, history: list[Turn] | tuple = ()) -> str:
     """Text appended at ask time: the question (after any earlier turns) and the assistant header."""
     if tokenizer.chat_template is None:

@@ -92,6 +92,8 @@ class PrefillResult:
     model_fingerprint: str = ""
     #: the model's id (an embedded model's name, or a path), "" when unknown
     model_id: str = ""
+    #: the model that made the prefill (a method that reruns it at compress time reads it: kvzip), None when unknown
+    model: Any = field(default=None, repr=False, compare=False)
 
     @property
     def n_tokens(self) -> int:

@@ -46,9 +46,9 @@ from .base import CacheMethod, GrowingKV, KVMemory, ModelShape, PrefillResult, S
 from .full import FullMemory
 from .params import BudgetParams
 
-SCORE_KINDS = ("obs_queries", "attn_mass", "token_text", "lex_terms")
+SCORE_KINDS = ("obs_queries", "attn_mass", "token_text", "lex_terms", "kvzip_prompts")
 #: the statistics read off the text, not captured by the prefill: :func:`text_scores` fills them
-TEXT_SCORES = ("token_text", "lex_terms")
+TEXT_SCORES = ("token_text", "lex_terms", "kvzip_prompts")
 #: float32 elements of one block of attention probabilities while accumulating attn_mass (64 MiB)
 _MASS_BLOCK = 1 << 24
 
@@ -65,6 +65,10 @@ def text_scores(tokenizer, text: str, ids: list[int], needs) -> dict[str, Any]:
         if terms.numel() != len(ids):
             raise ValueError(f"lex_terms: {terms.numel()} token terms for {len(ids)} tokens (another tokenization of the text?)")
         out["lex_terms"] = terms
+    if "kvzip_prompts" in needs:
+        from .kvzip import reconstruction_prompts
+
+        out["kvzip_prompts"] = reconstruction_prompts(tokenizer, text, ids)
     return out
 
 
