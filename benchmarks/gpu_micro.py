@@ -14,12 +14,11 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 
-from sekv_core.sekv import blocks, factorize as fz
+from sekv_core.sekv import blocks, linalg
 
 
 def timed(fn, reps=3):
@@ -41,8 +40,8 @@ def eig_variants(out: dict, dev) -> None:
     g = a.transpose(1, 2) @ a
     ref = None
     for exact in (True, False):
-        out[f"top_eigh32_f32_b11904_exact_orth_{exact}_s"] = timed(lambda: fz.top_eigh(g, 32, iters=3, exact_orth=exact))
-        lam, v = fz.top_eigh(g, 32, iters=3, exact_orth=exact)
+        out[f"top_eigh32_f32_b11904_exact_orth_{exact}_s"] = timed(lambda: linalg.top_eigh(g, 32, iters=3, exact_orth=exact))
+        lam, v = linalg.top_eigh(g, 32, iters=3, exact_orth=exact)
         energy = ((a @ v).norm(dim=(1, 2)) ** 2).double()
         ref = energy if ref is None else ref
         out[f"top_eigh32_energy_vs_exact_orth_{exact}"] = float((energy / ref).min())
@@ -60,7 +59,7 @@ def main():
         g = a.transpose(1, 2) @ a
         if b <= 512:
             out[f"eigh_full_b{b}_s"] = timed(lambda: torch.linalg.eigh(g), reps=1)
-        out[f"top_eigh32_b{b}_s"] = timed(lambda: fz.top_eigh(g, 32))
+        out[f"top_eigh32_b{b}_s"] = timed(lambda: linalg.top_eigh(g, 32))
     size = 256 << 20
     host = torch.empty(size // 8, dtype=torch.int64, pin_memory=True)
     host.random_()

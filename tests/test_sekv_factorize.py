@@ -8,6 +8,7 @@ import transformers
 
 from sekv_core.methods.base import ModelShape
 from sekv_core.sekv import factorize as fz
+from sekv_core.sekv import linalg as la
 from sekv_core.sekv import rope
 from sekv_core.sekv.summarize import span_weights, weighted_means
 
@@ -171,7 +172,7 @@ def test_top_eigh_matches_eigh_on_span_grams(exact_orth):
     a = torch.randn(40, 90, 16, generator=g, dtype=torch.float64) @ torch.randn(40, 16, 128, generator=g, dtype=torch.float64)
     a = torch.cat([a + 0.1 * torch.randn(40, 90, 128, generator=g, dtype=torch.float64), torch.randn(8, 90, 128, generator=g, dtype=torch.float64)])
     gram = a.transpose(1, 2) @ a
-    lam, v = fz.top_eigh(gram, 32, exact_orth=exact_orth)
+    lam, v = la.top_eigh(gram, 32, exact_orth=exact_orth)
     ref = torch.linalg.eigh(gram).eigenvalues.flip(-1)[:, :32]
     assert torch.allclose(v.transpose(1, 2) @ v, torch.eye(32, dtype=torch.float64).expand(48, -1, -1), atol=1e-10)
     assert torch.allclose(lam[:40, :16], ref[:40, :16], rtol=1e-6)  # the signal components: exact
@@ -189,7 +190,7 @@ def test_decompose_subspace_path_equals_eigh_path_on_low_rank(exact_orth):
     a = fz.decompose_spans(x, lens, 32)
     orig = fz._decompose
     try:
-        fz._decompose = lambda t, method, want=None, rows_at_least_want=False: (lambda ad: (lambda ev: ((ad @ ev[1]).float(), ev[0].sqrt().float(), ev[1].transpose(1, 2).float()))(fz.top_eigh(ad.transpose(1, 2) @ ad, want, exact_orth=exact_orth)))(t.double())
+        fz._decompose = lambda t, method, want=None, rows_at_least_want=False: (lambda ad: (lambda ev: ((ad @ ev[1]).float(), ev[0].sqrt().float(), ev[1].transpose(1, 2).float()))(la.top_eigh(ad.transpose(1, 2) @ ad, want, exact_orth=exact_orth)))(t.double())
         b = fz.decompose_spans(x, lens, 32)
     finally:
         fz._decompose = orig
@@ -275,7 +276,7 @@ def test_hard_blocks_factorise_near_optimally(method):
     """The exact paths (CPU): every hard block in one batch, each at its own scale."""
     blocks = _hard_blocks(48, 64)
     a = torch.stack(list(blocks.values()))
-    us, sigma, vt = fz._decompose(a, method)
+    us, sigma, vt = la._decompose(a, method)
     for j, (name, x) in enumerate(blocks.items()):
         _assert_near_optimal(f"{method}/{name}", x, us[j], sigma[j], vt[j], ranks=(1, 4, 8, 16, 48))
 
@@ -286,11 +287,11 @@ def test_hard_blocks_subspace_path(monkeypatch, device, exact_orth):
     """The CUDA path (float32 subspace iteration, forced here on the CPU too) on the same hard blocks: the leading 32
     components as good as the SVD's, with both orthonormalisations (Cholesky QR also on rank-deficient blocks,
     which real spans of >= 32 rows can be)."""
-    monkeypatch.setattr(fz, "_subspace_path", lambda a, method, want: True)
+    monkeypatch.setattr(la, "_subspace_path", lambda a, method, want: True)
     for n in (48, 128):
         blocks = _hard_blocks(n, 64, seed=n)
         a = torch.stack(list(blocks.values())).to(device)
-        us, sigma, vt = fz._decompose(a, "gram", want=32, rows_at_least_want=not exact_orth)
+        us, sigma, vt = la._decompose(a, "gram", want=32, rows_at_least_want=not exact_orth)
         assert us.shape == (len(blocks), n, 32) and vt.shape == (len(blocks), 32, 64)
         for j, (name, x) in enumerate(blocks.items()):
             _assert_near_optimal(f"{n}/{name}", x, us[j], sigma[j], vt[j], ranks=(1, 4, 8, 16, 32), sigma_rel=SIGMA_F32_GRAM)
@@ -323,11 +324,11 @@ def test_solver_failures_fall_back(monkeypatch, device, fault):
         monkeypatch.setattr(torch.linalg, "eigh", _fail_eigh_on_float32(torch.linalg.eigh))
     else:
         monkeypatch.setattr(torch.linalg, "cholesky_ex", _fail_cholesky(torch.linalg.cholesky_ex))
-    monkeypatch.setattr(fz, "_subspace_path", lambda a, method, want: True)
+    monkeypatch.setattr(la, "_subspace_path", lambda a, method, want: True)
     blocks = _hard_blocks(64, 128, seed=11)
     a = torch.stack(list(blocks.values())).to(device)
     for exact_orth in (True, False):
-        us, sigma, vt = fz._decompose(a, "gram", want=32, rows_at_least_want=not exact_orth)
+        us, sigma, vt = la._decompose(a, "gram", want=32, rows_at_least_want=not exact_orth)
         for j, (name, x) in enumerate(blocks.items()):
             _assert_near_optimal(f"{fault}/{name}", x, us[j], sigma[j], vt[j], ranks=(1, 8, 32), sigma_rel=SIGMA_F32_GRAM)
 
@@ -341,7 +342,7 @@ def test_host_eigh_last_resort_is_an_orthonormal_basis(monkeypatch):
 
     monkeypatch.setattr(torch.linalg, "eigh", never)
     c = torch.diag(torch.tensor([3.0, 1.0, 2.0])).expand(2, 3, 3)
-    w, v = fz._eigh(c)
+    w, v = la._eigh(c)
     assert torch.equal(w, torch.tensor([[1.0, 2.0, 3.0]] * 2))
     assert torch.allclose(v @ torch.diag_embed(w) @ v.transpose(1, 2), c)
     monkeypatch.setattr(torch.linalg, "eigh", real)
@@ -357,9 +358,9 @@ def test_non_finite_blocks_give_finite_factors(device, monkeypatch):
     a = torch.stack([good, bad]).to(device)
     for forced in (False, True):
         if forced:
-            monkeypatch.setattr(fz, "_subspace_path", lambda a, method, want: True)
+            monkeypatch.setattr(la, "_subspace_path", lambda a, method, want: True)
         for method in ("gram", "svd"):
-            us, sigma, vt = fz._decompose(a, method, want=32)
+            us, sigma, vt = la._decompose(a, method, want=32)
             assert all(bool(torch.isfinite(t).all()) for t in (us, sigma, vt))
             _assert_near_optimal("good", good, us[0], sigma[0], vt[0], ranks=(4, 32), sigma_rel=SIGMA_F32_GRAM)
 

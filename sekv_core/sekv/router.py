@@ -61,7 +61,7 @@ def pca_init(keys: torch.Tensor, d_r: int = D_R, kbar: torch.Tensor | None = Non
     m = (k.transpose(1, 2) @ k).double() / max(n, 1)  # [Hkv, d, d]
     r = min(d_r, d)
     if m.is_cuda and r < d:  # cuSOLVER loops a d x d eigh over the batch; the leading r by subspace iteration
-        from .factorize import top_eigh
+        from .linalg import top_eigh
 
         w = top_eigh(m, r, exact_orth=n < d)[1].transpose(1, 2).float()  # n >= d tokens: full rank, Cholesky QR
     else:
