@@ -71,6 +71,14 @@ def tiny_qwen(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen"), "qwen2")
 
 
+@pytest.fixture(scope="module")
+def lm(tiny_qwen):
+    """The tiny Qwen2 model loaded in float32 on the CPU, once per test module."""
+    from sekv_core import models
+
+    return models.load(str(tiny_qwen), device="cpu", dtype=torch.float32)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama")

@@ -6,21 +6,15 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 import sekv
-from sekv_core import models, prompt
+from sekv_core import prompt
 
 from conftest import SAMPLE_MD
 from test_full_method import reference_greedy
 
 Q1 = "How many steps does the tower have?"
 Q2 = "Who keeps the light?"
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_qwen):
-    return models.load(str(tiny_qwen), device="cpu", dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")

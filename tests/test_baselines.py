@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from sekv_core import methods, models, prompt
+from sekv_core import methods, prompt
 from sekv_core.errors import SekvError
 from sekv_core.generate import generate
 from sekv_core.ingest import ingest
@@ -35,11 +35,6 @@ QUESTION = "How many steps does the tower have?"
 EVICTION = ["streamingllm", "h2o", "snapkv", "pyramidkv", "chunkkv"]
 BASELINES = EVICTION + ["sentencekv"]
 MAX_NEW = 16
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_qwen):
-    return models.load(str(tiny_qwen), device="cpu", dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")

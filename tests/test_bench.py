@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from conftest import ROOT
 from sekv_cli.app import app
-from sekv_core import methods, models, prompt
+from sekv_core import methods, prompt
 from sekv_core.bench import report, runner, scoring, tasks
 from sekv_core.bench.tasks import Probe
 from sekv_core.methods.base import CacheMethod, GrowingKV, ModelShape, StepStats
@@ -35,11 +35,6 @@ def tok(tiny_qwen):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_qwen)
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_qwen):
-    return models.load(str(tiny_qwen), device="cpu", dtype=torch.float32)
 
 
 class _WindowMemory(FullMemory):

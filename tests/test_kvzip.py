@@ -13,13 +13,13 @@ import math
 import pytest
 import torch
 
-from sekv_core import methods, models, prompt
+from sekv_core import methods, prompt
 from sekv_core.documents import load_document
 from sekv_core.errors import SekvError
 from sekv_core.generate import generate
 from sekv_core.ingest import ingest, tokenize_document
 from sekv_core.methods import scores as scoremod
-from sekv_core.methods.base import DictStore, ModelShape, PrefillResult
+from sekv_core.methods.base import DictStore, ModelShape
 from sekv_core.methods.kvzip import KVzipParams, RaggedEvictedMemory, kvzip_scores, select_kept
 from sekv_core.pack import read_pack
 from sekv_core.prefill import prefill
@@ -29,11 +29,6 @@ from conftest import SAMPLE_MD
 
 QUESTION = "How many steps does the tower have?"
 MAX_NEW = 16
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_qwen):
-    return models.load(str(tiny_qwen), device="cpu", dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")

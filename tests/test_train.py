@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -10,7 +9,6 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from sekv_core import models
 from sekv_core.errors import SekvError
 from sekv_core.pack import read_pack
 from sekv_core.sekv import factorize as fz
@@ -33,11 +31,6 @@ def write_corpus(root: Path, n_docs: int = 3, seed: int = 0) -> Path:
     (root / "page.html").write_text("<html><head><style>x{}</style><script>var a=1;</script></head><body><p>"
                                     + " ".join(WORDS * 100) + "</p></body></html>")
     return root
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_qwen):
-    return models.load(str(tiny_qwen), device="cpu", dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
