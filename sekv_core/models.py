@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -279,20 +280,9 @@ def _weights_fingerprint(path: Path) -> str:
             os.replace(tmp, stamp)
         h.update(info["tensors_sha256"].encode())
         return h.hexdigest()
-    cache = sekv_home() / "fingerprints.json"
-    try:
-        known = json.loads(cache.read_text()) if cache.is_file() else {}
-    except ValueError:
-        known = {}
     files = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
     key = "tensors:" + ";".join(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
-    if key not in known:
-        known[key] = tensors_digest(path)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known))
-        os.replace(tmp, cache)
-    h.update(known[key].encode())
+    h.update(_cached_digest(key, lambda: tensors_digest(path)).encode())
     return h.hexdigest()
 
 
@@ -372,9 +362,13 @@ def load_named_by_pack(model_id: str, device: str | None = None, dtype=None) -> 
 
 
 def load(model: str = DEFAULT_MODEL, device: str | None = None, dtype=None, progress: Progress | None = None) -> LoadedModel:
-    """Load a frozen causal LM and its tokenizer, with sekv's attention hook installed."""
+    """Load a frozen causal LM and its tokenizer, with sekv's attention hook installed.
+
+    On CUDA the weights go straight to the device (``device_map``), cast there, instead of being materialised and
+    converted on the host first, and the tokenizer (with its fingerprint) loads on a second thread meanwhile: its JSON
+    parse overlaps the weights' reads and copies.  On the CPU both are CPU-bound and load one after the other."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from . import runtime
 
@@ -383,16 +377,79 @@ def load(model: str = DEFAULT_MODEL, device: str | None = None, dtype=None, prog
     model_id, where = resolve(model, progress)
     dtype = dtype or default_dtype(device)
     local = isinstance(where, Path)
-    try:
-        tok = AutoTokenizer.from_pretrained(where, local_files_only=local)
-        m = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, local_files_only=local)
-    except (OSError, ValueError) as e:
-        raise ModelError(f"could not load model '{model}': {str(e).splitlines()[0]}") from None
+    cuda = device.startswith("cuda")
+    on_device = {"device_map": torch.device(device)} if cuda else {}
+    with ThreadPoolExecutor(1) if cuda else _Inline() as pool:
+        tok_job = pool.submit(_load_tokenizer, where, local)
+        try:
+            m = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, local_files_only=local, **on_device)
+            tok, tok_fp = tok_job.result()
+        except (OSError, ValueError) as e:
+            raise ModelError(f"could not load model '{model}': {str(e).splitlines()[0]}") from None
     m.to(device).eval().requires_grad_(False)
     runtime.install(m)
     fp = _weights_fingerprint(where) if local else hashlib.sha256(json.dumps(m.config.to_dict(), sort_keys=True).encode()).hexdigest()
     m.sekv_fingerprint, m.sekv_model_id = fp, model_id  # read by prefill(): methods that pick model-specific files need them
-    return LoadedModel(m, tok, model_id, fp, tokenizer_fingerprint(tok), where if local else Path(str(where)))
+    return LoadedModel(m, tok, model_id, fp, tok_fp, where if local else Path(str(where)))
+
+
+class _Inline:
+    """An executor that runs each job when it is submitted."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        f = Future()
+        try:
+            f.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to result(), as a pool would
+            f.set_exception(e)
+        return f
+
+
+def _load_tokenizer(where: Path | str, local: bool) -> tuple[object, str]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(where, local_files_only=local)
+    return tok, _tokenizer_fingerprint_cached(where, tok) if local else tokenizer_fingerprint(tok)
+
+
+def _tokenizer_fingerprint_cached(path: Path, tok) -> str:
+    """tokenizer_fingerprint(tok), cached in $SEKV_HOME/fingerprints.json by the tokenizer files' path, size and
+    mtime and the tokenizers / transformers versions that serialise it (0.15 s of every load otherwise)."""
+    files = sorted(p for p in path.iterdir() if p.name.startswith(("tokenizer", "vocab", "merges", "special_tokens", "added_tokens")))
+    versions = ",".join(_version(d) for d in ("tokenizers", "transformers"))
+    key = f"tokenizer:{versions}:" + ";".join(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    return _cached_digest(key, lambda: tokenizer_fingerprint(tok))
+
+
+def _version(dist: str) -> str:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return "-"
+
+
+def _cached_digest(key: str, compute: Callable[[], str]) -> str:
+    """A digest kept in $SEKV_HOME/fingerprints.json under ``key`` (computed and stored when missing)."""
+    cache = sekv_home() / "fingerprints.json"
+    try:
+        known = json.loads(cache.read_text()) if cache.is_file() else {}
+    except ValueError:
+        known = {}
+    if key not in known:
+        known[key] = compute()
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, cache)
+    return known[key]
 
 
 def context_window(config) -> int:

@@ -42,3 +42,23 @@ def test_fingerprint_is_over_tensor_bytes_not_header_order(tmp_path, monkeypatch
     t["a.weight"][0] += 1
     save_file(t, str(dirs[1] / "model.safetensors"))
     assert models._weights_fingerprint(dirs[0]) != models._weights_fingerprint(dirs[1])
+
+
+def test_cached_tokenizer_fingerprint_follows_the_files(tmp_path, monkeypatch):
+    """The load's cached tokenizer fingerprint is the uncached one, and a rewritten tokenizer file is hashed again
+    (a stale cache would let a pack pass against another tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from conftest import _tiny_tokenizer
+
+    monkeypatch.setenv("SEKV_HOME", str(tmp_path / "home"))
+    d = tmp_path / "tok"
+    tok = _tiny_tokenizer(d)
+    direct = models.tokenizer_fingerprint(tok)
+    assert models._tokenizer_fingerprint_cached(d, tok) == direct
+    assert models._tokenizer_fingerprint_cached(d, tok) == direct  # from the cache
+    tok.add_tokens(["<|a-new-token|>"])
+    tok.save_pretrained(d)
+    again = AutoTokenizer.from_pretrained(d)
+    assert models.tokenizer_fingerprint(again) != direct
+    assert models._tokenizer_fingerprint_cached(d, again) == models.tokenizer_fingerprint(again)
