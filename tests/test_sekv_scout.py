@@ -61,11 +61,13 @@ def _blocks(mem) -> list[tuple[int, int]]:
     return list(zip(mem.res.block_start.tolist(), (mem.res.block_start + mem.res.block_len).tolist()))
 
 
-@pytest.mark.parametrize("kind,unit", [("qwen2", 16), ("llama", 16), ("qwen2", 3)])
-def test_scout_masses_equal_full_kv_attention(kind, unit):
+@pytest.mark.parametrize("kind,unit,batched", [("qwen2", 16, False), ("llama", 16, False), ("qwen2", 3, False), ("qwen2", 3, True), ("llama", 16, True)])
+def test_scout_masses_equal_full_kv_attention(kind, unit, batched):
     """With exact factors the scout's per-layer masses are full-KV attention's: its ranking is the reference's
-    sum of z-scored masses of the zoom blocks (softmax over document + question keys), minus the document profile."""
+    sum of z-scored masses of the zoom blocks (softmax over document + question keys), minus the document profile.
+    ``batched``: the accelerators' step (fixed-size rows, those of no block dropped by layer_mass), run on the CPU."""
     model, res, store, p, mem = _memory(kind, capture=False, **{**EXACT, "zoom": "router", "budget": 0.5, "zoom_unit": unit})
+    mem.batched = batched
     assert (mem.res.n_blocks > 2 * mem.res.n_spans) == (unit == 3)
     queries, keys = _spy(mem)
     q = torch.tensor([QUESTION])

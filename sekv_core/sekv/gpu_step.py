@@ -34,6 +34,11 @@ from .residents import Residents
 from .scout import Ranking
 
 
+#: the scout pass's chunk of rebuilt keys and logits, bytes per float32 work tensor: few launches per layer,
+#: a bounded transient (the 0.5B at 16K: one chunk per layer; the 8B shape at 128K: a few)
+SCOUT_CHUNK_BYTES = 64 << 20
+
+
 class BatchedStep:
     def __init__(self, res: Residents, ledger: ZoomLedger, ranking: Ranking | None):
         self.res, self.ledger, self.ranking = res, ledger, ranking
@@ -221,11 +226,13 @@ class BatchedStep:
 
     def block_lse(self, layer: int, q: torch.Tensor, scaling: float):
         """The scout's logsumexps of the zoom blocks from this step's factor blocks (one per (group, span)), in
-        chunks of as many pairs as a step may fetch (float32): -> (lse [E, M], group [E], block [E])."""
+        chunks of pairs whose float32 work tensors stay near SCOUT_CHUNK_BYTES each (at least as many as a step may
+        fetch): -> (lse [E, M], group [E], block [E]), E fixed by the pack (rows of no block: block id n_blocks)."""
         r, S = self.res, self.res.n_spans
         b = self.blocks[layer]
         n_pairs = self.hkv * S
-        chunk = max(self.P, 64)
+        per_pair = 4 * b.n_max * max(b.d, q.shape[1], 2 * b.r_max)
+        chunk = max(self.P, 64, SCOUT_CHUNK_BYTES // max(per_pair, 1))
         first, counts, per_span, row_block = self._span_blocks()
         lse, grp, sid = [], [], []
         for a in range(0, n_pairs, chunk):
@@ -249,9 +256,9 @@ class BatchedStep:
             part = (sums.log() + mx).transpose(1, 2).reshape(-1, e.shape[1])  # [P * per_span, M]
             k = torch.arange(per_span, device=r.device).view(1, -1)
             has = (k < counts[i].view(-1, 1)).flatten()
-            lse.append(part[has])
-            grp.append(g.view(-1, 1).expand(-1, per_span).flatten()[has])
-            sid.append((first[i].view(-1, 1) + k).flatten()[has])
+            lse.append(part)  # a fixed row count (dropping the rows past a span's blocks would sync): those get
+            grp.append(g.view(-1, 1).expand(-1, per_span).flatten())  # block id n_blocks, which layer_mass drops
+            sid.append(torch.where(has, (first[i].view(-1, 1) + k).flatten(), r.n_blocks))
         return torch.cat(lse), torch.cat(grp), torch.cat(sid)
 
     def _span_blocks(self) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:

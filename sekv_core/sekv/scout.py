@@ -42,22 +42,25 @@ def layer_mass(span_lse: torch.Tensor, span_group: torch.Tensor, span_id: torch.
     """Attention mass of each span, max over (group, query head, question token).
 
     span_lse [E, M] (one row per (group, span) block), span_group / span_id [E], other_lse [Hkv, M] (the
-    logsumexp over every full-resolution key: anchors, window, question) -> [n_spans].
+    logsumexp over every full-resolution key: anchors, window, question) -> [n_spans].  A row whose span_id is
+    n_spans stands for no span and is dropped (a step keeps its rows at a fixed count: no host sync to drop them).
     """
     hkv, m = other_lse.shape
-    per_group = torch.full((hkv, n_spans, m), float("-inf"), dtype=span_lse.dtype, device=span_lse.device)
+    per_group = torch.full((hkv, n_spans + 1, m), float("-inf"), dtype=span_lse.dtype, device=span_lse.device)
     per_group[span_group, span_id] = span_lse
+    per_group = per_group[:, :n_spans]
     total = torch.logsumexp(torch.cat([per_group, other_lse.unsqueeze(1)], dim=1), dim=1)  # [Hkv, M]
     mass = torch.exp(per_group - total.unsqueeze(1))  # [Hkv, S, M]
     return mass.amax(dim=-1).amax(dim=0)
 
 
 def zscore(v: torch.Tensor) -> torch.Tensor:
-    """(v - mean) / std over spans; zeros when every span has the same value."""
+    """(v - mean) / std over spans; zeros when every span has the same value (decided on the device: no sync)."""
     if v.numel() < 2:
         return torch.zeros_like(v)
     sd = v.std()
-    return (v - v.mean()) / sd if float(sd) > 0 else torch.zeros_like(v)
+    pos = sd > 0
+    return torch.where(pos, (v - v.mean()) / torch.where(pos, sd, torch.ones_like(sd)), torch.zeros_like(v))
 
 
 def document_profile(prefill, span_start: torch.Tensor, span_end: torch.Tensor) -> torch.Tensor:
@@ -130,8 +133,8 @@ class Ranking:
         """rank = the question's sum - profile_weight x the document profile, plus lexical_weight x the z-scored
         lexical scores of the question's words (sekv/lexical.py) where any of them is in the document."""
         rank = self._sum - profile_weight * profile
-        if lexical_weight > 0 and lexical is not None and float(lexical.max()) > 0:
-            rank = zscore(rank) + lexical_weight * zscore(lexical)
+        if lexical_weight > 0 and lexical is not None and lexical.numel():
+            rank = torch.where(lexical.max() > 0, zscore(rank) + lexical_weight * zscore(lexical), rank)
         self.prio.copy_(rank)
         self.version += 1
         self.pending = True
