@@ -84,7 +84,7 @@ def generate(
         with torch.inference_mode():
             logits = head(hidden[:, -1])
             nxt = int(logits.argmax(-1).item()) if sampler is None else sampler(logits[0])
-        peak = max(peak, memory.step_stats().resident_bytes)
+        peak = max(peak, memory.resident_now())
         if on_step:
             on_step(memory)
         if t_first is None:

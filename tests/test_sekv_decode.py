@@ -86,6 +86,7 @@ def test_batched_never_exceeds_budget_and_counts_its_buffers(routing):
         assert st.extra["appended_bytes"] == (mem.n_tokens() - 2000) * mem.shape.kv_bytes_per_token()
         # resident = the whole memory on the device: tokens, router, block tables, slot buffers at capacity
         assert st.resident_bytes == mem.resident_bytes()
+        assert mem.resident_now() == st.resident_bytes  # what generate() reads each step, without the stats
     dec = mem.step
     assert max(sizes) > 0 and dec.resident_bytes() > dec.table_bytes
     if routing == "per_layer":  # the appended tail is outside the document's budget: the slot buffers keep their size

@@ -136,6 +136,11 @@ class KVMemory(ABC):
     def step_stats(self) -> StepStats:
         return StepStats(resident_bytes=self.resident_bytes())
 
+    def resident_now(self) -> int:
+        """``step_stats().resident_bytes`` alone: generate() reads it after every step, so a memory whose full
+        stats cost device->host copies answers it without them."""
+        return self.step_stats().resident_bytes
+
     def prepare_question(self, forward: Callable[[], Any], question: str | None = None) -> None:
         """Called once per answer, before its first forward; forward() runs the question's tokens through the
         model over this memory (a memory may look at them first, then must drop them); question: its text, when

@@ -68,6 +68,9 @@ class ZoomMemory(KVMemory):
         resident = self.ledger.resident if self.ledger.steps else self.resident_bytes()
         return StepStats(resident_bytes=int(resident), extra={**self.ledger.stats(), "span_order": order})
 
+    def resident_now(self) -> int:
+        return int(self.ledger.resident if self.ledger.steps else self.resident_bytes())  # as step_stats(), no stats
+
     def _begin_forward(self, n_new: int) -> None:
         if self.ledger.stale:
             self._new_ask()
