@@ -328,3 +328,40 @@ def test_cuda_compress_4bit():
     a = runtime.forward_logits(cpu_model, x, mem.n_tokens(), mem, last_only=False)
     b = runtime.forward_logits(model, x.cuda(), gmem.n_tokens(), gmem, last_only=False).cpu()
     assert torch.allclose(a, b, atol=1e-3, rtol=1e-3), (a - b).abs().max()
+
+
+def test_lazy_factors_give_the_eager_open_s_attention(monkeypatch):
+    """A pack opened the CUDA way (layout.PackFactors: no factor read at open, each layer decoded when the batched
+    step first builds its blocks) answers with the eagerly opened memory's logits, bit for bit, and reads no
+    factor tensor before the first forward."""
+    from sekv_core.sekv import residents
+
+    model, _, ids, res, _, _, _, full = _setup("qwen2", n=600, budget=0.3, min_span=10, factor_bits=4)
+    m = methods.get("sekv")
+    p = m.resolve_params({"budget": 0.3, "min_span": 10, "factor_bits": 4})
+    store = Store(m.compress(res, p))
+    assert "sekv.fk.0.us.q4" in store
+
+    class Counting(dict):
+        reads: set = set()
+
+        def get(self, k, *a):
+            self.reads.add(k)
+            return super().get(k, *a)
+
+    eager = m.open(store, p, res.shape, "cpu")
+    eager.batched = True
+    monkeypatch.setattr(residents, "LAZY_FACTORS", "always")
+    counted = Counting(store)
+    lazy = m.open(counted, p, res.shape, "cpu")
+    lazy.batched = True
+    assert not any(k.startswith(("sekv.fk.", "sekv.fv.")) and not k.endswith(".rank") for k in counted.reads)
+    q = torch.randint(0, 300, (1, 7), generator=torch.Generator().manual_seed(4))
+    for mem in (eager, lazy):
+        mem.prepare_question(lambda mem=mem: runtime.forward_hidden(model, q, mem.n_tokens(), mem))
+    a = runtime.forward_logits(model, q, eager.n_tokens(), eager, last_only=False)
+    b = runtime.forward_logits(model, q, lazy.n_tokens(), lazy, last_only=False)
+    assert torch.equal(a, b)
+    assert any(k.endswith(".us.q4") for k in counted.reads)  # read when the step needed them
+    for (fe, _), (fl, _) in zip(eager.res.factors, lazy.res.factors):  # and the reference step's host factors
+        assert torch.equal(fe.us, fl.us) and torch.equal(fe.vt, fl.vt) and torch.equal(fe.rank, fl.rank)

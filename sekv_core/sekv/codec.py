@@ -296,10 +296,10 @@ def kind_config(store, names: set[str], kind: str) -> dict | None:
     return parse_config(store.get(CONFIG)) if CONFIG in names else None
 
 
-def read_factors(store, names: set[str], prefix: str, device=None) -> fz.Factors | None:
+def read_factors(store, names: set[str], prefix: str, device=None, to_host: bool = True) -> fz.Factors | None:
     """A pack's coded factors under ``prefix`` decoded to int8 (CPU tensors), or None where they are stored
     plainly.  device: a CUDA device decodes there (the CPU decodes ~40 M elements/s on one thread: minutes
-    for a 128K-token pack of an 8B model) and copies the int8 factors back."""
+    for a 128K-token pack of an 8B model) and copies the int8 factors back (``to_host`` False: leaves them there)."""
     cfg = kind_config(store, names, prefix.split(".")[1])
     if cfg is None or f"{prefix}.{code_names(cfg['levels'])[0]}" not in names:
         return None
@@ -309,6 +309,6 @@ def read_factors(store, names: set[str], prefix: str, device=None) -> fz.Factors
     if device is not None and torch.device(device).type == "cuda":
         t = {k: store.get(f"{prefix}.{k}").to(device) for k in parts}
         f = decode_factors(t, span_len.to(device), head_dim, **cfg)
-        return fz.Factors(*(x.cpu() for x in (f.us, f.vt, f.rank, f.us_scale, f.vt_scale)))
+        return fz.Factors(*(x.cpu() for x in (f.us, f.vt, f.rank, f.us_scale, f.vt_scale))) if to_host else f
     with fz.single_thread():  # element-wise passes over ~1M elements: two threads were 5x slower on our 2-core CPU
         return decode_factors({k: store.get(f"{prefix}.{k}") for k in parts}, span_len, head_dim, **cfg)

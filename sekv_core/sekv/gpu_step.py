@@ -45,7 +45,7 @@ class BatchedStep:
         sh = res.shape
         self.d, self.hkv, self.L = sh.head_dim, sh.n_kv_heads, sh.n_layers
         wd = res.device if res.cuda else None
-        self.blocks = [fb.build(f, res.span_len, self.d, res.device, pin=res.cuda, work_device=wd) for f, _ in res.factors]
+        self.blocks = [fb.build(res.factors.on_device(i), res.span_len, self.d, res.device, pin=res.cuda, work_device=wd) for i in range(self.L)]
         self.table_bytes = sum(b.index_bytes() for b in self.blocks)
         self.uva = all(b.uva for b in self.blocks)
         self.min_len = int(res.span_len.min()) if res.n_spans else 1

@@ -40,9 +40,10 @@ def store_dtype(params: SekvParams, model_dtype: torch.dtype) -> torch.dtype:
     return torch.float16
 
 
-def read_factors(store, names: set[str], prefix: str, device=None) -> fz.Factors:
-    """One layer's key or value factors; coded (factor_bits 4) factors are decoded to int8 here, on ``device``."""
-    coded = codec.read_factors(store, names, prefix, device=device)
+def read_factors(store, names: set[str], prefix: str, device=None, to_host: bool = True) -> fz.Factors:
+    """One layer's key or value factors; coded (factor_bits 4) factors are decoded to int8 here, on ``device``
+    (``to_host`` False: left there, for a re-layout on that device)."""
+    coded = codec.read_factors(store, names, prefix, device=device, to_host=to_host)
     if coded is not None:
         return coded
     scaled = f"{prefix}.us_scale" in names
@@ -53,6 +54,45 @@ def read_factors(store, names: set[str], prefix: str, device=None) -> fz.Factors
         store.get(f"{prefix}.us_scale") if scaled else None,
         store.get(f"{prefix}.vt_scale") if scaled else None,
     )
+
+
+class PackFactors:
+    """A pack's factors per layer, K and V stacked (``fz.stack_kv``), read from the pack (sha256-checked) and decoded
+    when first asked for rather than at open.
+
+    ``factors[i]`` -> (host Factors, Layout): what the reference step reads, kept once made.  ``on_device(i)`` ->
+    the stacked factors decoded on the accelerator and left there, not kept: the batched step re-lays them into
+    its host blocks (sekv/blocks.py) there, so a pack opened on CUDA no longer decodes every layer at open, copies
+    the int8 factors to the host and back to the device, then to pinned memory.  ``load_all()`` reads every layer
+    now (the CPU's open: its damage shows at open, as before)."""
+
+    def __init__(self, store, names: set[str], n_layers: int, span_len: torch.Tensor, head_dim: int, device):
+        self.store, self.names, self.span_len, self.d = store, names, span_len, head_dim
+        self.device = torch.device(device)
+        self._host: list[tuple[fz.Factors, fz.Layout] | None] = [None] * n_layers
+
+    def __len__(self) -> int:
+        return len(self._host)
+
+    def __getitem__(self, i: int) -> tuple[fz.Factors, fz.Layout]:
+        if self._host[i] is None:
+            f = self._read(i, to_host=True)
+            self._host[i] = (f, fz.Layout.of(f, self.span_len, self.d))
+        return self._host[i]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def on_device(self, i: int) -> fz.Factors:
+        return self._host[i][0] if self._host[i] is not None else self._read(i, to_host=False)
+
+    def load_all(self) -> "PackFactors":
+        for i in range(len(self)):
+            self[i]
+        return self
+
+    def _read(self, i: int, to_host: bool) -> fz.Factors:
+        return fz.stack_kv(*(read_factors(self.store, self.names, f"sekv.{kind}.{i}", device=self.device, to_host=to_host) for kind in ("fk", "fv")))
 
 
 def router_sha256(store, names: set[str]) -> str:

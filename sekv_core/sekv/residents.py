@@ -30,6 +30,11 @@ def apply_tau_mode(rt: router.Router, mode: str) -> router.Router:
     return dataclasses.replace(rt, tau=tau)
 
 
+#: "cuda": a pack opened on CUDA reads and decodes its factors when the batched step first needs them, one on the
+#: CPU at open; "always": lazily on the CPU too (tests of that path)
+LAZY_FACTORS = "cuda"
+
+
 class Residents:
     """The tensors and tables of one opened pack (read-only after open, except the growing K/V buffers)."""
 
@@ -53,11 +58,11 @@ class Residents:
         self.n_base = self.n_full + self.n_spans
         self.kv = GrowingKV.from_tensors(keys, vals, device, extra=256)
         self._router(store, params)
-        # K and V factors stacked per layer, so one gather and one batched product serve both (V: heads Hkv..2Hkv-1)
-        self.factors: list[tuple[fz.Factors, fz.Layout]] = []
-        for i in range(L):
-            f = fz.stack_kv(*(layout.read_factors(store, self.names, f"sekv.{kind}.{i}", device=device) for kind in ("fk", "fv")))
-            self.factors.append((f, fz.Layout.of(f, self.span_len, shape.head_dim)))
+        # K and V factors stacked per layer, so one gather and one batched product serve both (V: heads Hkv..2Hkv-1);
+        # on an accelerator read when the batched step first needs them, not at open (layout.PackFactors)
+        self.factors = layout.PackFactors(store, self.names, L, self.span_len, shape.head_dim, device)
+        if not (LAZY_FACTORS == "always" or (self.cuda and LAZY_FACTORS == "cuda")):
+            self.factors.load_all()
         isz = torch.empty(0, dtype=shape.dtype).element_size()
         self.entry_bytes = 2 * shape.head_dim * isz  # K+V of one token of one KV head
         self.cost = (self.span_len * self.entry_bytes).to(device)  # bytes to rebuild span i for one KV group
