@@ -19,7 +19,7 @@ from sekv_core.session import Session
 
 from .common import user_errors, BudgetOpt, QuietOpt, VerboseOpt, CompileOpt, DeviceOpt, MethodOpt, ModelOpt, RouterOpt, RoutingOpt, method_overrides
 from .display import err, human_bytes, kv_table, model_progress, out, safe, safe_line, stats_rows
-from sekv_core.evidence import evidence_rows
+from sekv_core.evidence import evidence_rows, label as evidence_label
 
 
 def open_session(pack: Path, model, method, budget, device, quiet: bool, router: str | None = None, routing: str | None = None) -> Session:
@@ -117,7 +117,7 @@ def run_question(
         if not rows:
             err.print(Text("no zoomed passages (this method does not zoom, or nothing was expanded)", style="dim"))
         for r in rows[:5]:
-            err.print(Text.assemble((f"page {r['page']}", "bold"), " ", (f"(zoomed {r['zoom_count']}x)", "dim"), " ", safe(r["text"])))
+            err.print(Text.assemble((evidence_label(r), "bold"), " ", safe(r["text"])))
     return answer
 
 

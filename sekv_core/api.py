@@ -66,9 +66,11 @@ class MemoryUse:
 class Evidence:
     span: int
     tokens: tuple[int, int]  # [start, end) in the pack
-    page: int  # page of the passage's first token (0: outside the document text)
-    zoom_count: int  # how many (layer, step) expansions read it
+    page: int  # page of the passage's first token
+    zoom_count: int  # how many (layer, head, step) expansions read it
     text: str
+    share: float = 0.0  # its share of the answer's zoom reads of document passages
+    rank: int = 0  # 1 = the most read (ties: the question's ranking)
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,7 @@ def result_of(session: Session, answer: Answer, question: str, sampling: Samplin
         tokens=Tokens(session.base_tokens, s.question_tokens, s.generated_tokens, tuple(answer.token_ids), s.stop_reason),
         timings=Timings(round(session.load_s, 4), s.ttft_s, s.decode_s, s.tokens_per_s),
         memory=MemoryUse(s.resident_kv_bytes_peak, s.full_kv_bytes, s.resident_kv_bytes_peak / max(s.full_kv_bytes, 1), s.gpu_peak_bytes, s.rss_bytes),
-        evidence=[Evidence(r["span"], tuple(r["tokens"]), r["page"], r["zoom_count"], r["text"]) for r in rows],
+        evidence=[Evidence(r["span"], tuple(r["tokens"]), r["page"], r["zoom_count"], r["text"], r["share"], r["rank"]) for r in rows],
         zoom=extra if s.extra else None,
         pack=str(session.pack.path),
         model=session.lm.model_id,
