@@ -255,3 +255,39 @@ def test_unmutated_packs_pass(base, tmp_path):
         path = tmp_path / f"{m}.sekv"
         craft(path, man, ten)
         assert exercise(path, lm) == "ok", m
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t["depthweave.level"].view(-1).__setitem__(0, 200), "depthweave.level' holds values outside [0, 3]"),
+    (lambda t: t["depthweave.feat.delim"].view(-1).__setitem__(0, 2), "depthweave.feat.delim' holds values outside [0, 1]"),
+    (lambda t: t["depthweave.config"].__setitem__(5, 10**6), "rank_k = 1000000 is outside"),
+    (lambda t: t["depthweave.config"].__setitem__(0, 7), "n_tokens is 7"),
+    (lambda t: t["depthweave.config"].__setitem__(12, 4), "coef_bits = 4 is not one of"),
+    (lambda t: t["depthweave.levels"].__setitem__(2, 3), "is not a list of residual levels"),
+    (lambda t: t.__setitem__("depthweave.coef.k.1", t["depthweave.coef.k.1"][:, :-1].clone()), "depthweave.coef.k.1' has shape"),
+    (lambda t: t.__setitem__("depthweave.res_scale.v.0", t["depthweave.res_scale.v.0"][..., :1].clone()), "depthweave.res_scale.v.0' has shape"),
+    (lambda t: t["depthweave.feat.mass"].view(-1).__setitem__(3, -1.0), "depthweave.feat.mass' holds negative values"),
+    (lambda t: t["depthweave.exact.k.0"].view(-1).__setitem__(0, float("nan")), "NaN or infinite"),
+])
+def test_depthweave_checks_name_the_problem(base, tmp_path, edit, message):
+    """Each of depthweave's checks (sekv_core/depthweave/checks.py), on a crafted pack whose checksums are right."""
+    from sekv_core.session import inspect_pack
+
+    man, ten = base[1]["depthweave"]
+    ten = {k: v.clone() for k, v in ten.items()}
+    edit(ten)
+    path = tmp_path / "dw.sekv"
+    craft(path, man, ten)
+    for run_it in (lambda: inspect_pack(path), lambda: Session.open(path, lm=base[0])):
+        with pytest.raises(PackError, match=None) as e:
+            run_it()
+        assert message in str(e.value) and "inconsistent" not in str(e.value), str(e.value)
+
+
+def test_depthweave_pack_budget_below_its_floor_is_a_pack_error(base, tmp_path):
+    man, ten = base[1]["depthweave"]
+    man = copy.deepcopy(man)
+    man["method_params"]["budget"] = 0.05
+    craft(tmp_path / "dw.sekv", man, ten)
+    with pytest.raises(PackError, match="below the floor"):
+        inspect_pack(tmp_path / "dw.sekv")
