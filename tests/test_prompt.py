@@ -93,6 +93,10 @@ def test_system_is_stored_in_the_pack_and_used_at_ask(tiny_qwen, tmp_path):
     assert answer.token_ids == reference_greedy(tiny_qwen, ids, 12, session.stop_ids)
     session.pack.close()
 
+    code, out, err = run("inspect", pack)
+    assert code == 0 and "system prompt" in out and "[lamps]" in out, err
+    assert json.loads(run("inspect", pack, "--json")[1])["system"] == system
+
     # the default is unchanged, and --system-file reads the same text
     (tmp_path / "sys.txt").write_text(system + "\n")
     code, _, err = run("ingest", SAMPLE_MD, "-o", tmp_path / "f.sekv", "--model", tiny_qwen, "--method", "full", "--system-file", tmp_path / "sys.txt", "-q")
