@@ -152,10 +152,12 @@ def ingest(
     model: str | models.LoadedModel | None = None,
     device: str | None = None,
     params: dict[str, Any] | None = None,
+    system: str | None = None,
 ) -> IngestResult:
     """Read the document at ``path`` (.pdf, .txt, .md) once and write its context pack to ``out`` (default: beside
     it, suffix .sekv).  ``model``: an embedded model name, a local Hugging Face directory or a loaded model;
-    ``params``: further method parameters (as the CLI's options)."""
+    ``params``: further method parameters (as the CLI's options); ``system``: the system prompt to prefill with the
+    document (None: the default)."""
     from .documents import load_document
     from .ingest import ingest as run_ingest
 
@@ -164,7 +166,7 @@ def ingest(
     resolved = methods.get(method).resolve_params(overrides)
     load_document(path)  # a bad document fails before the model loads
     lm = _load(model, models.DEFAULT_MODEL, device)
-    return run_ingest(path, out, lm=lm, method=method, params=resolved)
+    return run_ingest(path, out, lm=lm, method=method, params=resolved, system=system)
 
 
 def open(  # noqa: A001 - `sekv.open(path)` reads like the builtin on purpose
