@@ -262,6 +262,7 @@ def test_unmutated_packs_pass(base, tmp_path):
     (lambda t: t["depthweave.feat.delim"].view(-1).__setitem__(0, 2), "depthweave.feat.delim' holds values outside [0, 1]"),
     (lambda t: t["depthweave.config"].__setitem__(5, 10**6), "rank_k = 1000000 is outside"),
     (lambda t: t["depthweave.config"].__setitem__(0, 7), "n_tokens is 7"),
+    (lambda t: t["depthweave.config"].__setitem__(1, int(t["depthweave.config"][0])), "n_exact = "),
     (lambda t: t["depthweave.config"].__setitem__(12, 4), "coef_bits = 4 is not one of"),
     (lambda t: t["depthweave.levels"].__setitem__(2, 3), "is not a list of residual levels"),
     (lambda t: t.__setitem__("depthweave.coef.k.1", t["depthweave.coef.k.1"][:, :-1].clone()), "depthweave.coef.k.1' has shape"),

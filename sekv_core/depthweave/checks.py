@@ -2,7 +2,7 @@
 
 The layout is codec.py's table; the config tensor says the ranks, units, levels and bit widths, and every
 other tensor's dtype and shape follows from it and the token count.  Checked here: the config against the
-document and the model, and each field's range (ranks <= head_dim, residual channels + rank <= head_dim,
+document and the model, and each field's range (at least one compressed token, ranks <= head_dim, residual channels + rank <= head_dim,
 levels that start at 0, increase and are multiples of the first non-zero one, bit widths the codec has); every
 tensor's dtype and shape (codes, scales and bases: their lengths from the ranks, units and block/group sizes);
 values the memory indexes or takes logs of (levels in range, delimiter flags 0/1, router features finite and
@@ -40,7 +40,7 @@ def checked_spec(store, shape, n_tokens: int) -> codec.Spec:
         if c[k] != v:
             raise _bad(f"tensor '{P}config': {k} is {c[k]}, the document and model have {v}")
     d = shape.head_dim
-    ranges = {"n_exact": (0, n_tokens), "rank_k": (1, d), "rank_v": (1, d), "depth_window": (1, 1 << 20), "depth_overlap": (0, 1 << 20),
+    ranges = {"n_exact": (0, n_tokens - 1), "rank_k": (1, d), "rank_v": (1, d), "depth_window": (1, 1 << 20), "depth_overlap": (0, 1 << 20),
               "unit_k": (0, d), "unit_v": (0, d), "coef_block": (1, 1 << 20)}
     for k, (lo, hi) in ranges.items():
         if not lo <= c[k] <= hi:
