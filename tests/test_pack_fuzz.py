@@ -292,3 +292,13 @@ def test_depthweave_pack_budget_below_its_floor_is_a_pack_error(base, tmp_path):
     craft(tmp_path / "dw.sekv", man, ten)
     with pytest.raises(PackError, match="below the floor"):
         inspect_pack(tmp_path / "dw.sekv")
+
+
+@pytest.mark.parametrize("manifest", [None, [], "SEKV-PACK", 4])
+def test_a_manifest_that_is_not_an_object_is_a_pack_error(base, tmp_path, manifest):
+    """The manifest JSON is null, a list, a string or a number, under a correct header checksum (issue: 'null' gave
+    an AttributeError in read_pack)."""
+    craft(tmp_path / "m.sekv", manifest, base[1]["full"][1])
+    with pytest.raises(PackError, match="not a sekv pack"):
+        packmod.read_pack(tmp_path / "m.sekv")
+    assert exercise(tmp_path / "m.sekv", base[0]) == "checked"
