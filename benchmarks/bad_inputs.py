@@ -114,6 +114,20 @@ def main() -> int:
     crafted(pack, d / "budget0.sekv", edit_manifest=lambda m: m["method_params"].update(budget=0))
     crafted(pack, d / "routerpath.sekv", edit_manifest=lambda m: m["method_params"].update(router=str(victim)))
     crafted(pack, d / "esc_name.sekv", edit_manifest=lambda m: m["document"].update(name="x\x1b]8;;http://e\x1b\\[red]y\x1b[2J.md"))
+    crafted(pack, d / "system5.sekv", edit_manifest=lambda m: m.update(system=5))
+    dw = d / "dw.sekv"
+    code, _, err = sekv("ingest", good, "-o", dw, "--model", MODEL, "--method", "depthweave", "--budget", "0.5", "-q")
+    assert code == 0, err
+
+    def dw_level(t):
+        t["depthweave.level"].view(-1)[0] = 200
+
+    def dw_rank(t):
+        t["depthweave.config"][5] = 10**6
+
+    crafted(dw, d / "dw_level.sekv", edit_tensor=dw_level)
+    crafted(dw, d / "dw_rank.sekv", edit_tensor=dw_rank)
+    (d / "system.txt").write_text("You answer in one word.\n")
     ro = Path("/proc/sekv_test.sekv")
     tmps = lambda: sorted(p.name for p in d.glob(".*.tmp"))  # noqa: E731
 
@@ -169,6 +183,8 @@ def main() -> int:
     case("--method bogus (ingest)", ["ingest", tiny, "--method", "bogus", *m], 2)
     case("--method bogus (ask)", ["ask", pack, "q", "--method", "bogus"], 2)
     case("--method streamingllm on a sekv pack", ["ask", pack, "q", "--method", "streamingllm"], 2)
+    case("--system and --system-file", ["ingest", tiny, "--system", "x", "--system-file", d / "system.txt", *m], 2)
+    case("--system-file a FIFO", ["ingest", tiny, "--system-file", d / "fifo.txt", *m], 2, timeout=60)
     case("--model unknown", ["ingest", tiny, "--model", "nope-7b", "-q"], 2)
     case("unknown option", ["ask", pack, "q", "--bogus"], 2)
     case("--max-new-tokens 0", ["ask", pack, "q", "-n", "0"], 2)
@@ -188,6 +204,9 @@ def main() -> int:
     case("crafted: budget 0 in the pack", ["ask", d / "budget0.sekv", "q"], 2)
     case("crafted: router path to another file", ["ask", d / "routerpath.sekv", "q", "-n", "2"], 0, check=lambda: victim.read_bytes() == before)
     case("crafted: escapes in document name (inspect)", ["inspect", d / "esc_name.sekv"], 0)
+    case("crafted: system prompt not text", ["inspect", d / "system5.sekv"], 2)
+    case("crafted depthweave: a level index of 200", ["ask", d / "dw_level.sekv", "q"], 2)
+    case("crafted depthweave: rank 10^6 (inspect)", ["inspect", d / "dw_rank.sekv"], 2)
     case("other model's pack (--model qwen2.5-0.5b)", ["ask", pack, "q", "--model", "qwen2.5-0.5b"], 2)
     # text
     case("markup in question, --show-evidence", ["ask", pack, "What about [note] and [/mnt/x]?", "-n", "4", "--show-evidence"], 0)

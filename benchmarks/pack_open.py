@@ -1,5 +1,5 @@
-"""Opening a large pack: format 2 (sha256 over the whole file at every open) against format 3 (header checksum at
-open, each tensor's sha256 when it is first read), on a synthetic `full`-layout pack.
+"""Opening a large pack: format 2 (sha256 over the whole file at every open) against the current format (4: header
+checksum at open, each tensor's sha256 when it is first read), on a synthetic `full`-layout pack.
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.pack_open --gb 1.5
 
@@ -59,14 +59,14 @@ def main() -> None:
     manifest = {"method": "full", "method_params": {}, "token_ids": [1], "document": {"name": "x"}, "model": {}}
     res: dict = {"pack_gb": round(sum(t.numel() * 2 for t in tensors.values()) / 2**30, 3), "tensors": len(tensors),
                  "threads": torch.get_num_threads()}
-    for name, mod in (("format2", old), ("format3", new)):
+    for name, mod in (("format2", old), (f"format{new.FORMAT_VERSION}", new)):
         path = tmp / f"{name}.sekv"
         _, res[f"{name}_write_s"] = timed(lambda: mod.write_pack(path, dict(manifest), tensors))
         p, res[f"{name}_open_s"] = timed(lambda: mod.read_pack(path))
         _, res[f"{name}_first_tensor_s"] = timed(lambda: p.get("full.k.0"))
         p, _ = timed(lambda: mod.read_pack(path))
         # every tensor in memory of its own, as a method's open() leaves it (format 2's safetensors tensors map the
-        # file lazily: clone() makes it read them; format 3's get() reads, checks and returns its own copy)
+        # file lazily: clone() makes it read them; the current format's get() reads, checks and returns its own copy)
         _, t_all = timed(lambda: [p.get(k).clone() if name == "format2" else p.get(k) for k in p.keys()])
         res[f"{name}_open_and_read_all_s"] = round(res[f"{name}_open_s"] + t_all, 3)
         path.unlink()

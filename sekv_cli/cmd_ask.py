@@ -19,7 +19,7 @@ from sekv_core.session import Session
 
 from .common import user_errors, BudgetOpt, QuietOpt, VerboseOpt, CompileOpt, DeviceOpt, MethodOpt, ModelOpt, RouterOpt, RoutingOpt, method_overrides
 from .display import err, human_bytes, kv_table, model_progress, out, safe, safe_line, stats_rows
-from sekv_core.evidence import evidence_rows
+from sekv_core.evidence import evidence_rows, label as evidence_label
 
 
 def open_session(pack: Path, model, method, budget, device, quiet: bool, router: str | None = None, routing: str | None = None) -> Session:
@@ -55,12 +55,24 @@ def sampling_row(sampling: Sampling) -> tuple[str, str]:
     return ("sampling", f"temperature {sampling.temperature:g}, top-p {sampling.top_p:g}, seed {sampling.seed}")
 
 
+#: the most text --questions reads (every input is read with a limit)
+MAX_QUESTIONS_CHARS = 16 << 20
+
+
 def read_questions(positional: list[str] | None, path: Path | None) -> list[str]:
     """The questions given as arguments, then those of --questions FILE (one per line, blank lines skipped)."""
     questions = list(positional or [])
     if path is not None:
         try:
-            text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+            if str(path) == "-":
+                text = sys.stdin.read(MAX_QUESTIONS_CHARS + 1)
+            else:
+                if path.exists() and not path.is_file() and not path.is_dir():  # a FIFO or device would block or never end
+                    raise SekvError(f"{path}: is not a regular file; --questions takes a text file (or - for standard input)")
+                with open(path, encoding="utf-8") as f:
+                    text = f.read(MAX_QUESTIONS_CHARS + 1)
+            if len(text) > MAX_QUESTIONS_CHARS:
+                raise SekvError(f"{path}: more than {MAX_QUESTIONS_CHARS >> 20} Mi characters of questions; split it")
         except FileNotFoundError:
             raise SekvError(f"{path}: no such questions file") from None
         except IsADirectoryError:
@@ -117,7 +129,7 @@ def run_question(
         if not rows:
             err.print(Text("no zoomed passages (this method does not zoom, or nothing was expanded)", style="dim"))
         for r in rows[:5]:
-            err.print(Text.assemble((f"page {r['page']}", "bold"), " ", (f"(zoomed {r['zoom_count']}x)", "dim"), " ", safe(r["text"])))
+            err.print(Text.assemble((evidence_label(r), "bold"), " ", safe(r["text"])))
     return answer
 
 

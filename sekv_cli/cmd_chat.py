@@ -17,7 +17,7 @@ from .chat_input import LineReader, history_path
 from .cmd_ask import SeedOpt, TemperatureOpt, TopPOpt, open_session, run_question
 from .common import user_errors, BudgetOpt, CompileOpt, DeviceOpt, MethodOpt, ModelOpt, QuietOpt, RouterOpt, RoutingOpt, VerboseOpt, method_overrides
 from .display import err, kv_table, safe, safe_line, stats_rows
-from sekv_core.evidence import evidence_rows
+from sekv_core.evidence import evidence_rows, label as evidence_label
 
 HELP = """commands:
   /help            this text
@@ -56,7 +56,7 @@ def show_sources(session, answer) -> None:
     if not rows:
         say(("no zoomed passages ", "dim"), f"(method {session.method} does not zoom, or nothing was expanded)")
     for r in rows[:5]:
-        say((f"page {r['page']}", "bold"), (f" (zoomed {r['zoom_count']}x) ", "dim"), safe(r["text"]))
+        say((evidence_label(r), "bold"), " ", safe(r["text"]))
 
 
 def save(reader: LineReader, session, exchanges: list[transcript.Exchange], arg: str) -> None:

@@ -33,6 +33,8 @@ def ingest(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),
     force: bool = typer.Option(False, "--force", help="let -o replace an existing file that is not a sekv pack"),
     max_input_mb: float = typer.Option(256, "--max-input-mb", help="the largest document read, in MiB"),
+    system: str = typer.Option(None, "--system", help="system prompt, prefilled into the pack with the document and used by every ask (default: answer from the document only); --system-file FILE reads it from a file"),
+    system_file: Path = typer.Option(None, "--system-file", help="read the --system prompt from a UTF-8 text file"),
 ) -> None:
     """Read DOCUMENT once with the model and save its KV memory as a context pack."""
     method = method or methods.DEFAULT_METHOD
@@ -43,6 +45,7 @@ def ingest(
     from sekv_core.ingest import default_pack_path
     from sekv_core.pack import prepare_output
 
+    system = system_prompt(system, system_file)
     if max_input_mb <= 0:
         raise SekvError(f"--max-input-mb must be positive, not {max_input_mb:g}")
     if str(document) == "-" and output is None:
@@ -55,7 +58,7 @@ def ingest(
     with model_progress(not quiet) as cb, stage("model load"):
         lm = models.load(model or models.DEFAULT_MODEL, device=device, progress=cb)
     with token_progress("prefill", not quiet) as cb:
-        r = run_ingest(doc, output, lm=lm, method=method, params=params, force=force, progress=cb)
+        r = run_ingest(doc, output, lm=lm, method=method, params=params, force=force, progress=cb, system=system)
     if not quiet:
         err.print(
             Text.assemble(
@@ -67,3 +70,26 @@ def ingest(
             )
         )
     print(safe_line(str(r.pack_path)))
+
+
+def system_prompt(text: str | None, path: Path | None) -> str | None:
+    """--system / --system-file: the system prompt to prefill (None: the default), checked."""
+    from sekv_core.prompt import MAX_SYSTEM_CHARS
+
+    if text is not None and path is not None:
+        raise SekvError("give --system or --system-file, not both")
+    if path is not None:
+        if not path.is_file():
+            raise SekvError(f"--system-file {path}: not a regular file")
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(4 * MAX_SYSTEM_CHARS + 1)
+            text = raw.decode("utf-8-sig")
+        except OSError as e:
+            raise SekvError(f"--system-file {path}: cannot read it ({e.strerror or type(e).__name__})") from None
+        except UnicodeDecodeError:
+            raise SekvError(f"--system-file {path}: not UTF-8 text") from None
+        text = text.strip()
+    if text is not None and (len(text) > MAX_SYSTEM_CHARS or "\x00" in text):
+        raise SekvError(f"the system prompt must be text of at most {MAX_SYSTEM_CHARS} characters without NUL characters")
+    return text

@@ -39,5 +39,7 @@ def inspect(
         ("method", f"{m['method']} {json.dumps(m['method_params'])}"),
         ("size", f"{human_bytes(m['file_bytes'])} = {100 * m['file_bytes'] / max(raw, 1):.1f}% of the raw fp16 KV cache ({human_bytes(raw)})"),
     ]
+    if isinstance(m.get("system"), str):  # prefilled with the document (ingest --system)
+        rows.append(("system prompt", m["system"] if len(m["system"]) <= 200 else m["system"][:197] + "..."))
     rows += [(k.replace("_", " "), v if isinstance(v, str) else json.dumps(v)) for k, v in details.items()]
     out.print(kv_table("", [(safe_line(k), safe_line(v)) for k, v in rows]))

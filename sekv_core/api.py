@@ -66,9 +66,11 @@ class MemoryUse:
 class Evidence:
     span: int
     tokens: tuple[int, int]  # [start, end) in the pack
-    page: int  # page of the passage's first token (0: outside the document text)
-    zoom_count: int  # how many (layer, step) expansions read it
+    page: int  # page of the passage's first token
+    zoom_count: int  # how many (layer, head, step) expansions read it
     text: str
+    share: float = 0.0  # its share of the answer's zoom reads of document passages
+    rank: int = 0  # 1 = the most read (ties: the question's ranking)
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,7 @@ def result_of(session: Session, answer: Answer, question: str, sampling: Samplin
         tokens=Tokens(session.base_tokens, s.question_tokens, s.generated_tokens, tuple(answer.token_ids), s.stop_reason),
         timings=Timings(round(session.load_s, 4), s.ttft_s, s.decode_s, s.tokens_per_s),
         memory=MemoryUse(s.resident_kv_bytes_peak, s.full_kv_bytes, s.resident_kv_bytes_peak / max(s.full_kv_bytes, 1), s.gpu_peak_bytes, s.rss_bytes),
-        evidence=[Evidence(r["span"], tuple(r["tokens"]), r["page"], r["zoom_count"], r["text"]) for r in rows],
+        evidence=[Evidence(r["span"], tuple(r["tokens"]), r["page"], r["zoom_count"], r["text"], r["share"], r["rank"]) for r in rows],
         zoom=extra if s.extra else None,
         pack=str(session.pack.path),
         model=session.lm.model_id,
@@ -150,10 +152,12 @@ def ingest(
     model: str | models.LoadedModel | None = None,
     device: str | None = None,
     params: dict[str, Any] | None = None,
+    system: str | None = None,
 ) -> IngestResult:
     """Read the document at ``path`` (.pdf, .txt, .md) once and write its context pack to ``out`` (default: beside
     it, suffix .sekv).  ``model``: an embedded model name, a local Hugging Face directory or a loaded model;
-    ``params``: further method parameters (as the CLI's options)."""
+    ``params``: further method parameters (as the CLI's options); ``system``: the system prompt to prefill with the
+    document (None: the default)."""
     from .documents import load_document
     from .ingest import ingest as run_ingest
 
@@ -162,7 +166,7 @@ def ingest(
     resolved = methods.get(method).resolve_params(overrides)
     load_document(path)  # a bad document fails before the model loads
     lm = _load(model, models.DEFAULT_MODEL, device)
-    return run_ingest(path, out, lm=lm, method=method, params=resolved)
+    return run_ingest(path, out, lm=lm, method=method, params=resolved, system=system)
 
 
 def open(  # noqa: A001 - `sekv.open(path)` reads like the builtin on purpose

@@ -1,4 +1,10 @@
-"""Map zoomed spans back to document text and pages (for --json and --show-evidence)."""
+"""Map zoomed spans back to document text and pages (for --json and --show-evidence).
+
+Only the document's own tokens are evidence: the prompt around it (system prompt, instruction, the
+``<document>`` tags) is cut off each span, and a span with nothing else is left out.  Each passage's count is
+its share of the answer's zoom reads: the (layer, head, step) expansions that read it, divided by all the
+expansions of document passages in that answer (so 25 % on four rows: the zoom was spread evenly over them).
+"""
 
 from __future__ import annotations
 
@@ -11,18 +17,41 @@ def _page_of(token_pages: list[list[int]], pos: int) -> int:
     return token_pages[i][0] if i >= 0 else 0
 
 
+def document_tokens(token_pages: list[list[int]], n_tokens: int) -> tuple[int, int]:
+    """[start, end) of the document's own tokens in a pack: the runs of the token -> page map on a page (>= 1);
+    the whole pack where the map has none."""
+    on_page = [r for r in token_pages if r[0] >= 1]
+    if not on_page:
+        return 0, n_tokens
+    return on_page[0][1], on_page[-1][2]
+
+
 def evidence_rows(session, span_zoom_counts: dict, limit: int = 10, span_order: list[int] | None = None) -> list[dict]:
-    """The most zoomed spans: their text, page and zoom count, most zoomed first; equal counts (a scout ranking
-    expands the same spans in every layer) in the order of ``span_order`` (the ranking's)."""
+    """The most zoomed document passages: their text, page, rank, zoom count and share of the answer's zoom reads,
+    most zoomed first; equal counts (a scout ranking expands the same spans in every layer) in the order of
+    ``span_order`` (the ranking's)."""
     if not span_zoom_counts or not hasattr(session.memory, "spans"):
         return []
     rank = {int(s): i for i, s in enumerate(span_order or [])}
     spans = session.memory.spans()
     ids = session.pack.token_ids
     pages = session.pack.manifest["document"].get("token_pages") or []
-    rows = []
-    for sid, count in sorted(span_zoom_counts.items(), key=lambda kv: (-kv[1], rank.get(int(kv[0]), len(rank))))[:limit]:
+    lo, hi = document_tokens(pages, len(ids))
+    clipped = {}
+    for sid, count in span_zoom_counts.items():
         start, end = spans[int(sid)]
-        text = session.lm.tokenizer.decode(ids[start:end], skip_special_tokens=True).strip()
-        rows.append({"span": int(sid), "tokens": [int(start), int(end)], "page": _page_of(pages, int(start)), "zoom_count": int(count), "text": " ".join(text.split())})
+        a, b = max(int(start), lo), min(int(end), hi)
+        if a < b and count > 0:
+            clipped[int(sid)] = (a, b, int(count))
+    total = sum(c for _, _, c in clipped.values())
+    rows = []
+    for sid, (a, b, count) in sorted(clipped.items(), key=lambda kv: (-kv[1][2], rank.get(kv[0], len(rank))))[:limit]:
+        text = session.lm.tokenizer.decode(ids[a:b], skip_special_tokens=True).strip()
+        rows.append({"rank": len(rows) + 1, "span": sid, "tokens": [a, b], "page": _page_of(pages, a), "zoom_count": count,
+                     "share": round(count / total, 4), "text": " ".join(text.split())})
     return rows
+
+
+def label(row: dict) -> str:
+    """A row's heading as the CLI prints it: '#1 page 3 (25% of the zoom)'."""
+    return f"#{row['rank']} page {row['page']} ({100 * row['share']:.0f}% of the zoom)"

@@ -41,10 +41,10 @@ def default_pack_path(doc: Path) -> Path:
     return doc.with_suffix(".sekv")
 
 
-def tokenize_document(lm: models.LoadedModel, doc: Document) -> tuple[list[int], list[list[int]]]:
+def tokenize_document(lm: models.LoadedModel, doc: Document, system: str | None = None) -> tuple[list[int], list[list[int]]]:
     """Token ids of the document prefix, and the token -> page map as [page, start, end) runs."""
-    text = prompt.document_prefix(lm.tokenizer, doc.text)
-    doc_start = text.index(doc.text) if doc.text else 0
+    text = prompt.document_prefix(lm.tokenizer, doc.text, system)
+    doc_start = len(prompt.document_header(lm.tokenizer, system))
     enc = lm.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]
     runs: list[list[int]] = []
@@ -78,6 +78,7 @@ def ingest(
     force: bool = False,
     on_tokens: Callable[[int], None] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    system: str | None = None,
 ) -> IngestResult:
     """Document (a loaded one, or a path) -> pack.  The output is checked and reserved before the prefill (see
     pack.prepare_output); each stage's unexpected failure is one error naming it (errors.stage), and nothing is
@@ -91,7 +92,7 @@ def ingest(
         raise DocumentError("reading the document from stdin needs -o PACK")
     out_path = Path(out) if out else default_pack_path(doc.path)
     with stage("tokenize"):
-        ids, page_runs = tokenize_document(lm, doc)
+        ids, page_runs = tokenize_document(lm, doc, system)
     check_fits(lm, doc, len(ids))
     shape = model_shape(lm)
     raw_fp16 = len(ids) * shape.kv_bytes_per_token(itemsize=2)
@@ -106,7 +107,7 @@ def ingest(
             needs = cache_method.needs_scores
             result = prefill(lm.model, torch.tensor(ids), with_surprisal=cache_method.needs_surprisal, chunk=chunk, progress=progress,
                              capture=scores.capture_kinds(needs), obs_window=cache_method.obs_window(params))
-            result.scores.update(scores.text_scores(lm.tokenizer, prompt.document_prefix(lm.tokenizer, doc.text), ids, needs))
+            result.scores.update(scores.text_scores(lm.tokenizer, prompt.document_prefix(lm.tokenizer, doc.text, system), ids, needs, system))
         t2 = time.perf_counter()
         with stage("compress"):
             tensors = cache_method.compress(result, params)
@@ -133,6 +134,7 @@ def ingest(
                 "n_pages": len(doc.pages),
                 "token_pages": page_runs,
             },
+            "system": prompt.SYSTEM if system is None else system,  # prefilled with the document; ask's turns follow it
             "n_tokens": len(ids),
             "token_ids": ids,
             "sizes": {"raw_kv_fp16_bytes": raw_fp16, "tensor_bytes": int(sum(t.numel() * t.element_size() for t in tensors.values()))},

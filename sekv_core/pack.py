@@ -528,6 +528,8 @@ def check_manifest(pack: Pack) -> None:
                     or not (0 <= r[0] <= pages and prev <= r[1] < r[2] <= n)):
                 raise _damaged("the manifest's token -> page map is out of range")
             prev = r[2]
+        if "system" in m and not (isinstance(m["system"], str) and len(m["system"]) <= 65536):  # prompt.MAX_SYSTEM_CHARS
+            raise _damaged("manifest field 'system' has a bad value (not a text of at most 65536 characters)")
         shape = m["model"]["shape"]
         if shape["heads"] % shape["kv_heads"]:
             raise _damaged("the manifest's model shape is inconsistent (heads not a multiple of kv_heads)")

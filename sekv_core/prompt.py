@@ -12,16 +12,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import SekvError
+
 SYSTEM = (
     "You are a careful assistant. Answer the user's question using only the document they give you. "
     "Answer briefly and precisely; if the document does not contain the answer, say so."
 )
+#: the longest system prompt accepted (--system at ingest; a pack's manifest)
+MAX_SYSTEM_CHARS = 65536
 _DOC = "\x00SEKV_DOC\x00"
 _Q = "\x00SEKV_Q\x00"
 
 
+INSTRUCTION = "Read the document below, then answer the question after it."
+_OPEN = "\n\n<document>\n"
+_CLOSE = "\n</document>\n\n"
+
+
 def _user_first(document: str) -> str:
-    return f"Read the document below, then answer the question after it.\n\n<document>\n{document}\n</document>\n\n"
+    """The first user message's content up to the question: the instruction once, the document in one closed tag."""
+    return INSTRUCTION + _OPEN + document + _CLOSE
 
 
 @dataclass(frozen=True)
@@ -34,8 +44,8 @@ def _render(tokenizer, messages: list[dict]) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def _messages(document: str, questions: list[str], answers: list[str]) -> list[dict]:
-    msgs = [{"role": "system", "content": SYSTEM}]
+def _messages(document: str, questions: list[str], answers: list[str], system: str | None = None) -> list[dict]:
+    msgs = [{"role": "system", "content": SYSTEM if system is None else system}]
     for i, q in enumerate(questions):
         content = (_user_first(document) + "Question: " + q) if i == 0 else q
         msgs.append({"role": "user", "content": content})
@@ -44,30 +54,42 @@ def _messages(document: str, questions: list[str], answers: list[str]) -> list[d
     return msgs
 
 
-def document_prefix(tokenizer, document: str) -> str:
-    """Text prefilled at ingest: everything up to and including the blank line after the document."""
-    if tokenizer.chat_template is None:
-        return _user_first(document)
-    text = _render(tokenizer, _messages(_DOC, [_Q], []))
-    head = text.split(_DOC)[0]
-    return head + _user_first(document)
+def document_header(tokenizer, system: str | None = None) -> str:
+    """The text before the document's first character: the chat template's head (system prompt, user header), the
+    instruction and the opening ``<document>`` tag (what a prefill window of a long document starts with)."""
+    return template_head(tokenizer, system) + INSTRUCTION + _OPEN
 
 
-def template_head(tokenizer) -> str:
-    """The chat template's text before the first user message's content (system prompt and user header): the
-    start of document_prefix()."""
+def document_footer() -> str:
+    """The text after the document's last character: the closing tag and the blank line the ask-time part follows."""
+    return _CLOSE
+
+
+def document_prefix(tokenizer, document: str, system: str | None = None) -> str:
+    """Text prefilled at ingest: header, document, footer (everything up to and including the blank line after
+    the document).  ``system``: the system prompt (None: SYSTEM)."""
+    return document_header(tokenizer, system) + document + document_footer()
+
+
+def template_head(tokenizer, system: str | None = None) -> str:
+    """The chat template's text before the first user message's content (system prompt and user header)."""
     if tokenizer.chat_template is None:
         return ""
-    return _render(tokenizer, _messages(_DOC, [_Q], [])).split(_user_first(_DOC))[0]
+    text = _render(tokenizer, _messages(_DOC, [_Q], [], system))
+    marker = _user_first(_DOC)
+    if text.count(marker) != 1:
+        raise SekvError("the chat template does not render the document exactly once (a system prompt with NUL characters?)")
+    return text.split(marker)[0]
 
 
-def question_suffix(tokenizer, question: str, history: list[Turn] | tuple = ()) -> str:
-    """Text appended at ask time: the question (after any earlier turns) and the assistant header."""
+def question_suffix(tokenizer, question: str, history: list[Turn] | tuple = (), system: str | None = None) -> str:
+    """Text appended at ask time: the question (after any earlier turns) and the assistant header.  ``system``:
+    the system prompt the pack was made with (None: SYSTEM)."""
     if tokenizer.chat_template is None:
         past = "".join(f"Question: {t.question}\nAnswer: {t.answer}\n\n" for t in history)
         return past + f"Question: {question}\nAnswer:"
     qs = [t.question for t in history] + [question]
-    text = _render(tokenizer, _messages(_DOC, qs, [t.answer for t in history]))
+    text = _render(tokenizer, _messages(_DOC, qs, [t.answer for t in history], system))
     marker = _user_first(_DOC)
     return text[text.index(marker) + len(marker) :]
 

@@ -76,7 +76,7 @@ class Session:
         question = question.strip()
         if not question:
             raise SekvError("the question is empty")
-        suffix = prompt.question_suffix(self.lm.tokenizer, question, history)
+        suffix = prompt.question_suffix(self.lm.tokenizer, question, history, self.pack.manifest.get("system"))
         q_ids = prompt.encode(self.lm.tokenizer, suffix)
         window = models.context_window(self.lm.config)
         if window and self.base_tokens + len(q_ids) + max_new_tokens > window:

@@ -87,13 +87,13 @@ def test_default_method_is_sekv_with_zoom_stats_and_evidence(tiny_qwen, tmp_path
     assert z["zoom_spans_total"] > 0 and z["budget_bytes"] > 0 and len(z["zoom_rate_per_layer"]) == 2
     assert obj["memory"]["resident_kv_bytes_peak"] - z["appended_bytes"] <= z["budget_bytes"]
     ev = obj["evidence"]
-    assert ev and all(r["text"] and r["page"] in (0, 1) and r["zoom_count"] > 0 for r in ev)  # page 0: the prompt's head
-    assert any(r["page"] == 1 for r in ev)
+    assert ev and all(r["text"] and r["page"] == 1 and r["zoom_count"] > 0 for r in ev)  # document passages only
     counts = [r["zoom_count"] for r in ev]
-    assert counts == sorted(counts, reverse=True)
+    assert counts == sorted(counts, reverse=True) and [r["rank"] for r in ev] == list(range(1, len(ev) + 1))
+    assert sum(r["share"] for r in ev) <= 1.001 and all(abs(r["share"] - c / counts[0] * ev[0]["share"]) < 1e-3 for r, c in zip(ev, counts))
     code, out, err = run("ask", pack, "How many steps does the tower have?", "-n", "4", "--show-evidence")
     assert code == 0, err
-    assert "zoomed" in err and "page 1" in err
+    assert "#1 page 1 (" in err and "% of the zoom)" in err
     code, out, err = run("inspect", pack, "--json")
     assert code == 0, err
     m = json.loads(out)

@@ -111,6 +111,21 @@ def test_bad_questions_input(pack, tmp_path):
     bad.write_bytes(b"\xff\xfe\x00bad")
     one_line_error(*run("ask", pack, "--questions", bad)[::2], "not UTF-8")
     one_line_error(*run("ask", pack, Q1, "")[::2], "empty")
+    import os
+
+    os.mkfifo(tmp_path / "fifo.txt")
+    one_line_error(*run("ask", pack, "--questions", tmp_path / "fifo.txt")[::2], "not a regular file")  # would block
+    (tmp_path / "zero.txt").symlink_to("/dev/zero")
+    one_line_error(*run("ask", pack, "--questions", tmp_path / "zero.txt")[::2], "not a regular file")  # would never end
+
+
+def test_questions_file_is_read_with_a_limit(pack, tmp_path, monkeypatch):
+    from sekv_cli import cmd_ask
+
+    monkeypatch.setattr(cmd_ask, "MAX_QUESTIONS_CHARS", 1 << 20)
+    big = tmp_path / "big.txt"
+    big.write_text("What?\n" * 200_000)
+    one_line_error(*run("ask", pack, "--questions", big)[::2], "more than 1 Mi characters")
 
 
 def test_sampling_options(pack):

@@ -43,7 +43,7 @@ def test_ask_show_evidence_prints_document_text_as_text(hostile_pack):
     code, out, err = run("ask", hostile_pack, "What about [note] and the " + ESC + "[2J stairs?", "-n", "3", "--show-evidence")
     assert code == 0, err
     no_raw_controls(out, err)
-    assert "page 1 (zoomed" in err
+    assert "#1 page 1 (" in err
     if "Keeper's note" in err:  # a passage of the hostile line was shown: its brackets survive as text
         assert "Keeper's note [note]" in err
     # the same passages through --json: the document's text, brackets included (load_document drops control

@@ -1,7 +1,8 @@
 """Hostile packs: mutated header, manifest and tensors, with every checksum recomputed, through the paths a user runs
 (inspect, and ask: open + a question + its evidence).  The only error that may come out is PackError.
 
-SEKV_FUZZ_CASES (default 100) and SEKV_FUZZ_SEED (default 0) set the run; a long run:
+SEKV_FUZZ_CASES (default 100) and SEKV_FUZZ_SEED (default 0) set the run, SEKV_FUZZ_METHODS (comma-separated)
+limits it to some methods; a long run:
     SEKV_FUZZ_CASES=10000 python -m pytest -q tests/test_pack_fuzz.py -s
 prints its tally.  Mutations that once crashed are replayed from tests/fuzz_regressions.json.
 """
@@ -27,7 +28,9 @@ from sekv_core.ingest import ingest
 from sekv_core.session import Session, inspect_pack
 
 REGRESSIONS = Path(__file__).with_name("fuzz_regressions.json")
-METHODS = ("sekv", "full", "streamingllm", "sentencekv", "kvzip")
+METHODS = ("sekv", "full", "streamingllm", "sentencekv", "kvzip", "depthweave")
+#: depthweave's floor (bases + coefficients) is 0.59 of this small document's KV: above it, the routing still has a choice
+BUDGETS = {"depthweave": 0.8}
 ODD_VALUES = [None, True, False, 0, -1, 1, 2, 3, 7, 2**31, 2**62, -(2**40), 0.5, 1e300, -1e-9, "", "x", "../../etc/passwd",
               "\x1b[2J", [], [0], [1, 2, 3], [[0, 0, 1]], {}, {"a": 1}, "qwen2.5-0.5b", "/tmp", "0" * 64]
 
@@ -41,7 +44,7 @@ def base(tiny_qwen, tmp_path_factory):
     doc.write_text(SAMPLE_MD.read_text()[:1500])
     out = {}
     for m in METHODS:
-        r = ingest(doc, d / f"{m}.sekv", lm=lm, method=m, params={} if m == "full" else {"budget": 0.3})
+        r = ingest(doc, d / f"{m}.sekv", lm=lm, method=m, params={} if m == "full" else {"budget": BUDGETS.get(m, 0.3)})
         p = packmod.read_pack(r.pack_path)
         out[m] = (p.manifest, {k: p.get(k).clone() for k in p.keys()})
         p.close()
@@ -190,12 +193,12 @@ def exercise(path: Path, lm) -> str:
         return "net" if "contents are inconsistent" in str(e) else "checked"
 
 
-def run_cases(base, tmp_path, n: int, seed: int) -> tuple[Counter, list]:
+def run_cases(base, tmp_path, n: int, seed: int, methods=METHODS) -> tuple[Counter, list]:
     lm, packs = base
     rng = random.Random(seed)
     tally, crashes = Counter(), []
     for i in range(n):
-        m = rng.choice(METHODS)
+        m = rng.choice(methods)
         man, ten, kw = mutate(rng, *packs[m])
         what = kw.pop("what")
         path = tmp_path / "case.sekv"
@@ -211,7 +214,8 @@ def run_cases(base, tmp_path, n: int, seed: int) -> tuple[Counter, list]:
 def test_mutated_packs_give_only_pack_errors(base, tmp_path):
     n = int(os.environ.get("SEKV_FUZZ_CASES", "100"))
     seed = int(os.environ.get("SEKV_FUZZ_SEED", "0"))
-    tally, crashes = run_cases(base, tmp_path, n, seed)
+    only = tuple(x for x in os.environ.get("SEKV_FUZZ_METHODS", "").split(",") if x) or METHODS
+    tally, crashes = run_cases(base, tmp_path, n, seed, only)
     print(f"\nfuzz: {n} cases (seed {seed}): {dict(tally)}")
     if crashes and os.environ.get("SEKV_FUZZ_SAVE"):
         Path(os.environ["SEKV_FUZZ_SAVE"]).write_text(json.dumps(crashes, indent=1))
@@ -251,3 +255,50 @@ def test_unmutated_packs_pass(base, tmp_path):
         path = tmp_path / f"{m}.sekv"
         craft(path, man, ten)
         assert exercise(path, lm) == "ok", m
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t["depthweave.level"].view(-1).__setitem__(0, 200), "depthweave.level' holds values outside [0, 3]"),
+    (lambda t: t["depthweave.feat.delim"].view(-1).__setitem__(0, 2), "depthweave.feat.delim' holds values outside [0, 1]"),
+    (lambda t: t["depthweave.config"].__setitem__(5, 10**6), "rank_k = 1000000 is outside"),
+    (lambda t: t["depthweave.config"].__setitem__(0, 7), "n_tokens is 7"),
+    (lambda t: t["depthweave.config"].__setitem__(1, int(t["depthweave.config"][0])), "n_exact = "),
+    (lambda t: t["depthweave.config"].__setitem__(12, 4), "coef_bits = 4 is not one of"),
+    (lambda t: t["depthweave.levels"].__setitem__(2, 3), "is not a list of residual levels"),
+    (lambda t: t.__setitem__("depthweave.coef.k.1", t["depthweave.coef.k.1"][:, :-1].clone()), "depthweave.coef.k.1' has shape"),
+    (lambda t: t.__setitem__("depthweave.res_scale.v.0", t["depthweave.res_scale.v.0"][..., :1].clone()), "depthweave.res_scale.v.0' has shape"),
+    (lambda t: t["depthweave.feat.mass"].view(-1).__setitem__(3, -1.0), "depthweave.feat.mass' holds negative values"),
+    (lambda t: t["depthweave.exact.k.0"].view(-1).__setitem__(0, float("nan")), "NaN or infinite"),
+])
+def test_depthweave_checks_name_the_problem(base, tmp_path, edit, message):
+    """Each of depthweave's checks (sekv_core/depthweave/checks.py), on a crafted pack whose checksums are right."""
+    from sekv_core.session import inspect_pack
+
+    man, ten = base[1]["depthweave"]
+    ten = {k: v.clone() for k, v in ten.items()}
+    edit(ten)
+    path = tmp_path / "dw.sekv"
+    craft(path, man, ten)
+    for run_it in (lambda: inspect_pack(path), lambda: Session.open(path, lm=base[0])):
+        with pytest.raises(PackError, match=None) as e:
+            run_it()
+        assert message in str(e.value) and "inconsistent" not in str(e.value), str(e.value)
+
+
+def test_depthweave_pack_budget_below_its_floor_is_a_pack_error(base, tmp_path):
+    man, ten = base[1]["depthweave"]
+    man = copy.deepcopy(man)
+    man["method_params"]["budget"] = 0.05
+    craft(tmp_path / "dw.sekv", man, ten)
+    with pytest.raises(PackError, match="below the floor"):
+        inspect_pack(tmp_path / "dw.sekv")
+
+
+@pytest.mark.parametrize("manifest", [None, [], "SEKV-PACK", 4])
+def test_a_manifest_that_is_not_an_object_is_a_pack_error(base, tmp_path, manifest):
+    """The manifest JSON is null, a list, a string or a number, under a correct header checksum (issue: 'null' gave
+    an AttributeError in read_pack)."""
+    craft(tmp_path / "m.sekv", manifest, base[1]["full"][1])
+    with pytest.raises(PackError, match="not a sekv pack"):
+        packmod.read_pack(tmp_path / "m.sekv")
+    assert exercise(tmp_path / "m.sekv", base[0]) == "checked"

@@ -129,7 +129,7 @@ class Spec:
             if int(params["res_bits"]) and len(levels) > 1 and (levels[1] * unit) % 2:
                 raise ValueError(f"4-bit residual groups need an even width; rank_{z}={r} gives {levels[1] * unit}")
             units.append(unit)
-        n_exact = min(max(0, int(params["exact_tokens"])), n_tokens)
+        n_exact = min(max(0, int(params["exact_tokens"])), n_tokens - 1)  # at least one compressed token (the router's scores)
         return cls(n_tokens, n_exact, n_layers, n_kv_heads, d, min(int(params["rank_k"]), d), min(int(params["rank_v"]), d),
                    max(1, int(params["depth_window"])), max(0, int(params["depth_overlap"])), units[0], units[1],
                    int(params["coef_block"]), 8 if int(params["coef_bits"]) else 0, 4 if int(params["res_bits"]) else 0,

@@ -64,7 +64,7 @@ class DepthWeaveMemory(KVMemory):
                 get = lambda name: store.get(f"depthweave.{name}.{z}.{i}")  # noqa: E731
                 coef = get("coef").to(dev)
                 cs = get("coef_scale").to(dev) if spec.coef_bits else None
-                tier[z] = (get("res"), get("res_scale") if spec.res_bits else None)
+                tier[z] = (get("res"), get("res_scale") if spec.res_bits and spec.channels(z) else None)
                 zc[z] = at.ZCodes(bases[(z, m)], get("resbasis").float().to(dev), coef, cs, torch.empty(0), None, spec.group(z), spec.rank(z))
             self.codes.append(zc)
             self.tier.append(tier)

@@ -87,6 +87,14 @@ class DepthWeaveParams(Params):
     chunk: int = ask_time(0)  # reconstruction chunk of the PyTorch path, tokens (0: ~1/8 of the document, >= 256)
     fused: str = ask_time("auto")
 
+    def __post_init__(self) -> None:
+        """The ask-time choices the memory parses (a pack's, or the command line's): one SekvError naming them."""
+        self._one_of("fused", ("auto", "on", "off"))
+        try:
+            router.RouterWeights.parse(self.router)
+        except ValueError as e:
+            raise SekvError(f"depthweave: router {self.router!r}: {e}") from None
+
 
 class DepthWeaveMethod(CacheMethod):
     name = "depthweave"
@@ -174,6 +182,14 @@ class DepthWeaveMethod(CacheMethod):
         cost = codec.level_cost(spec)
         tau = -1e9 if budget >= 1 else router.solve_offset(s, delta, float(params["spacing"]), cost, budget * full - floor)
         return router.levels(s, tau + delta, float(params["spacing"]), len(spec.levels)), tau
+
+    def validate(self, store: TensorStore, params, shape: ModelShape, n_tokens: int) -> None:
+        """Every tensor open() and describe() read: config and levels against the document and model, dtypes and
+        shapes (codes, scales, bases) from them, indices and flags in range, the budget above its floor
+        (sekv_core/depthweave/checks.py)."""
+        from ..depthweave import checks
+
+        checks.validate(store, params.to_dict(), shape, n_tokens)
 
     def open(self, store: TensorStore, params, shape: ModelShape, device) -> KVMemory:
         from ..depthweave.memory import DepthWeaveMemory  # here: memory.py imports methods.base (no import cycle)

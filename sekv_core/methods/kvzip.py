@@ -101,13 +101,13 @@ def _turn_end(tokenizer) -> str:
     return text.split(mark, 1)[1]
 
 
-def reconstruction_prompts(tokenizer, text: str, ids: list[int]) -> dict[str, Any]:
+def reconstruction_prompts(tokenizer, text: str, ids: list[int], system: str | None = None) -> dict[str, Any]:
     """What compress() needs from the tokenizer, for the document prefix ``text`` tokenized as ``ids``:
     ``context_start`` (tokens of the chat template's head, before the user message) and the token ids of
     the two prompts and of the template's end of turn."""
     from .. import prompt
 
-    head = prompt.template_head(tokenizer)
+    head = prompt.template_head(tokenizer, system)
     head_ids = prompt.encode(tokenizer, head) if head else []
     if not text.startswith(head) or list(ids[: len(head_ids)]) != head_ids:
         raise SekvError("kvzip: the document prefix's tokens do not start with the chat template's head's tokens "

@@ -53,8 +53,9 @@ TEXT_SCORES = ("token_text", "lex_terms", "kvzip_prompts")
 _MASS_BLOCK = 1 << 24
 
 
-def text_scores(tokenizer, text: str, ids: list[int], needs) -> dict[str, Any]:
-    """The TEXT_SCORES named in ``needs`` for the document prefix ``text`` tokenized as ``ids``."""
+def text_scores(tokenizer, text: str, ids: list[int], needs, system: str | None = None) -> dict[str, Any]:
+    """The TEXT_SCORES named in ``needs`` for the document prefix ``text`` tokenized as ``ids`` (made with the
+    system prompt ``system``, None: the default)."""
     out: dict[str, Any] = {}
     if "token_text" in needs:
         out["token_text"] = tokenizer.batch_decode([[t] for t in ids])
@@ -68,7 +69,7 @@ def text_scores(tokenizer, text: str, ids: list[int], needs) -> dict[str, Any]:
     if "kvzip_prompts" in needs:
         from .kvzip import reconstruction_prompts
 
-        out["kvzip_prompts"] = reconstruction_prompts(tokenizer, text, ids)
+        out["kvzip_prompts"] = reconstruction_prompts(tokenizer, text, ids, system)
     return out
 
 
