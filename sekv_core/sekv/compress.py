@@ -83,18 +83,21 @@ def compress(prefill: PrefillResult, params: SekvParams, arena: torch.Tensor | N
 def compress_windows(windows, params: SekvParams, arena: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The pack's tensors of a document given as window prefills (at global positions, one at a time): each window
     compressed on its own (:func:`compress_window`), then merged (sekv/merge.py)."""
-    pieces, trained, lex = [], None, None
+    pieces, trained, lex, moments = [], None, None, []
     for prefill in windows:
         if not pieces:
             trained = trained_router(prefill, params, prefill.shape)
         if prefill.scores and prefill.scores.get("lex_terms") is not None:
             lex = prefill.scores["lex_terms"]
         with fz.single_thread():  # many small tensor ops: intra-op threads cost more than they give (the prefill keeps them)
-            pieces.append(compress_window(prefill, params, trained, arena if not pieces else None))
+            piece = compress_window(prefill, params, trained, arena if not pieces else None)
+        m = [piece.tensors.pop(f"moment.{li}") for li in range(prefill.shape.n_layers)]  # summed as they come
+        moments = m if not moments else [a + b for a, b in zip(moments, m)]
+        pieces.append(piece)
         shape, n_doc, dev = prefill.shape, prefill.doc_tokens or prefill.n_tokens, prefill.keys[0].device
         del prefill  # one window's KV at a time
     with fz.single_thread():
-        return merge.merge(pieces, params, shape, n_doc, lex, trained, dev)
+        return merge.merge(pieces, moments, params, shape, n_doc, lex, trained, dev)
 
 
 def compress_window(prefill: PrefillResult, params: SekvParams, trained=None, arena: torch.Tensor | None = None) -> merge.Piece:

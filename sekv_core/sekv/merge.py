@@ -27,7 +27,7 @@ _FACTOR_PARTS = ("us", "vt", "rank", "us_scale", "vt_scale")
 @dataclass
 class Piece:
     """One compressed window: its first token's global index, its token count, its (local) segmentation and its
-    host tensors (``full.k.l``, ``coarse.k.l`` float32, ``moment.l``, ``fk.l.us`` ..., ``scout.profile`` ...)."""
+    host tensors (``full.k.l``, ``coarse.k.l`` float32, ``fk.l.us`` ..., ``scout.profile`` ...)."""
 
     start: int
     n: int
@@ -60,10 +60,11 @@ def merge_factors(parts: list[tuple[dict[str, torch.Tensor], torch.Tensor]], d: 
     return fz.Factors(out["us"], out["vt"], out["rank"], out["us_scale"], out["vt_scale"])
 
 
-def merge(pieces: list[Piece], params: SekvParams, shape: ModelShape, n_tokens: int, lex_terms: torch.Tensor | None, trained,
+def merge(pieces: list[Piece], moments: list[torch.Tensor], params: SekvParams, shape: ModelShape, n_tokens: int, lex_terms: torch.Tensor | None, trained,
           device=None) -> dict[str, torch.Tensor]:
     """The pack's tensors (``sekv.*``) from the windows' pieces, in token order (consumed: their tensors are freed
-    layer by layer).  ``device``: where the router's PCA runs (the prefill's)."""
+    layer by layer).  ``moments``: per layer the keys' second moment summed over the windows (router.second_moment);
+    ``device``: where the router's PCA runs (the prefill's)."""
     from .compress import codec_configs, lengths
 
     L, hkv, d, H = shape.n_layers, shape.n_kv_heads, shape.head_dim, shape.n_heads
@@ -110,7 +111,7 @@ def merge(pieces: list[Piece], params: SekvParams, shape: ModelShape, n_tokens: 
         kbar = torch.cat([x.pop(f"coarse.k.{li}") for x in t], 1)
         out[f"sekv.coarse.k.{li}"] = kbar.to(sdt)
         out[f"sekv.coarse.v.{li}"] = torch.cat([x.pop(f"coarse.v.{li}") for x in t], 1)
-        moment = sum(x.pop(f"moment.{li}") for x in t)
+        moment = moments[li]
         ref = kbar if seg.n_spans else torch.cat([x.pop(f"keys.{li}") for x in t], 1)
         for x in t:
             x.pop(f"keys.{li}", None)
