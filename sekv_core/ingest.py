@@ -35,6 +35,7 @@ class IngestResult:
     total_s: float
     method: str
     params: Params
+    windows: int = 1
 
 
 def default_pack_path(doc: Path) -> Path:
@@ -226,7 +227,7 @@ def ingest(
         slot.discard()
         raise
     t4 = time.perf_counter()
-    return IngestResult(out_path, len(ids), size, raw_fp16, prefill_s, t3 - t1 - prefill_s, t4 - t3, t4 - t0, method, params)
+    return IngestResult(out_path, len(ids), size, raw_fp16, prefill_s, t3 - t1 - prefill_s, t4 - t3, t4 - t0, method, params, len(plan))
 
 
 def model_shape(lm: models.LoadedModel) -> ModelShape:

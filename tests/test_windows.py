@@ -267,3 +267,43 @@ def test_ingest_host_memory_stays_bounded_by_a_window_not_the_document(tmp_path)
     bound = 4 * window_kv + 4 * m["pack_bytes"] + 32 * 2**20
     assert bound < 0.8 * m["kv_bytes"]  # the bound means something: the document's KV alone is well over it
     assert grew < bound, {k: round(v / 2**20, 1) for k, v in dict(m, grew=grew, bound=bound).items() if k != "n_tokens"}
+
+
+# -- the CLI's progress display ---------------------------------------------------------------------------------
+
+
+def test_progress_readout_gives_the_eta_from_the_first_window_on():
+    from sekv_cli.ingest_display import detail
+
+    first = detail(IngestProgress("prefill", 500, 6000, 1, 12, 1, 6), 5.0)
+    assert "500/6,000 tok" in first and "page 1/12" in first and "100 tok/s" in first and "window 1 of 6" in first
+    assert "ETA after window 1" in first
+    later = detail(IngestProgress("compress", 1000, 6000, 2, 12, 2, 6), 10.0)
+    assert "window 2 of 6" in later and "ETA 0:50" in later  # 5,000 tokens left at 100 tok/s
+    one = detail(IngestProgress("prefill", 10, 100, 1, 1, 1, 1), 1.0)
+    assert "window" not in one and "ETA" not in one
+
+
+def test_cli_ingest_shows_the_windows_and_writes_one_pack(tiny_qwen, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from sekv_cli.app import app
+
+    monkeypatch.setenv(WINDOW_ENV, str(SMALL_WINDOW))
+    out = tmp_path / "w.sekv"
+    r = CliRunner().invoke(app, ["ingest", str(SAMPLE_MD), "-o", str(out), "--model", str(tiny_qwen)])
+    assert r.exit_code == 0, r.stderr
+    assert "window 6 of 6" in r.stderr and "6 windows" in r.stderr
+    assert r.stdout.strip() == str(out) and len(read_pack(out).manifest["windows"]) == 6
+
+
+def test_a_pack_whose_windows_do_not_cover_its_tokens_is_refused(windowed_pack):
+    from sekv_core.errors import PackError
+    from sekv_core.pack import check_manifest
+
+    p = read_pack(windowed_pack[0].pack_path)
+    check_manifest(p)
+    for bad in ([[0, 5]], [[0, 768], [769, p.n_tokens()]], "all", [[0, p.n_tokens(), 1]]):
+        p.manifest["windows"] = bad
+        with pytest.raises(PackError, match="windows"):
+            check_manifest(p)
