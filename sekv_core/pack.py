@@ -530,6 +530,10 @@ def check_manifest(pack: Pack) -> None:
             prev = r[2]
         if "system" in m and not (isinstance(m["system"], str) and len(m["system"]) <= 65536):  # prompt.MAX_SYSTEM_CHARS
             raise _damaged("manifest field 'system' has a bad value (not a text of at most 65536 characters)")
+        win = m.get("windows", [[0, n]])  # windowed ingest: the token ranges each window kept, in order
+        if (not isinstance(win, list) or not win or not all(isinstance(w, list) and len(w) == 2 and all(type(x) is int for x in w) for w in win)
+                or win[0][0] != 0 or win[-1][1] != n or any(a[1] != b[0] for a, b in zip(win, win[1:])) or any(w[0] >= w[1] for w in win if n)):
+            raise _damaged("the manifest's windows do not cover the document's tokens in order")
         shape = m["model"]["shape"]
         if shape["heads"] % shape["kv_heads"]:
             raise _damaged("the manifest's model shape is inconsistent (heads not a multiple of kv_heads)")
