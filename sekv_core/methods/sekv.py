@@ -20,6 +20,7 @@ class SekvMethod(CacheMethod):
     # the document end's queries (the scout's question-independent profile), the tokens' word terms (its lexical evidence)
     needs_scores = ("obs_queries", "lex_terms")
     ablations = ABLATIONS
+    repositions = True  # re-positioned attention (sekv/positions.py)
 
     def obs_window(self, params: SekvParams) -> int:
         return scout.PROFILE_QUERIES
