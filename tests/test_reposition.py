@@ -112,3 +112,116 @@ def test_layout_by_hand():
     lay.set_question_at(10)  # room 10 - 3 - 2 = 5 tokens: blocks in priority order while they fit (a prefix, as select())
     capped = lay.cap(torch.ones(2, 5, dtype=torch.bool), torch.tensor([[9.0, 1, 2, 5, 3], [1.0, 2, 3, 4, 5]]))
     assert capped.tolist() == [[True, False, False, False, False], [False, False, False, False, False]]
+
+
+# -- a pack 6x longer than a tiny model's window, through the command line --------------------------------------
+
+WINDOW = 256  # the tiny_short model's max_position_embeddings
+
+
+@pytest.fixture(scope="module")
+def long_packs(tiny_short, tmp_path_factory):
+    """sekv, full and snapkv packs of ~1,500 tokens for a 256-position model: single-prefill ingest with the window check
+    bypassed (RoPE is math past the window; the tensors have a windowed ingest's form: token i at position i)."""
+    from conftest import SAMPLE_MD
+    from sekv_core import ingest
+    from test_cli import run
+
+    d = tmp_path_factory.mktemp("long")
+    text = SAMPLE_MD.read_text()
+    doc = d / "log.md"
+    doc.write_text(text[: len(text) * 11 // 20])
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ingest, "check_fits", lambda *a, **k: None)
+        for method in ("sekv", "full", "snapkv"):
+            out[method] = d / f"{method}.sekv"
+            code, _, err = run("ingest", doc, "-o", out[method], "--model", tiny_short, "--method", method, "-q")
+            assert code == 0, err
+    return out
+
+
+@pytest.fixture
+def seen_positions(monkeypatch):
+    """The largest position the model's rotary embedding and sekv's key rotation receive."""
+    from sekv_core.sekv import rope as rope_mod
+
+    seen = {"model": -1, "keys": -1, "min": 0}
+    fwd, rot = runtime.forward_hidden, rope_mod.rotate
+
+    def forward_hidden(model, ids, start, memory):
+        seen["model"] = max(seen["model"], start + ids.shape[-1] - 1)
+        return fwd(model, ids, start, memory)
+
+    def rotate(rows, positions, *a, **k):
+        if positions.numel():
+            seen["keys"] = max(seen["keys"], int(positions.max()))
+            seen["min"] = min(seen["min"], int(positions.min()))
+        return rot(rows, positions, *a, **k)
+
+    monkeypatch.setattr(runtime, "forward_hidden", forward_hidden)
+    monkeypatch.setattr(rope_mod, "rotate", rotate)
+    return seen
+
+
+@pytest.mark.parametrize("budget", ["0.1", "0.5"])
+def test_long_pack_answers_inside_the_window(long_packs, seen_positions, budget):
+    from sekv_core.pack import read_pack
+    from test_cli import run
+
+    n = read_pack(long_packs["sekv"]).n_tokens()
+    assert 4 * WINDOW <= n <= 8 * WINDOW
+    code, out, err = run("ask", long_packs["sekv"], "Who kept the lighthouse?", "-n", "8", "--json", "--budget", budget)
+    assert code == 0, err
+    rec = json.loads(out)
+    z = rec["zoom"]
+    assert rec["tokens"]["document"] == n
+    p0 = z["positions"]["question_at"]
+    assert z["positions"]["window"] == WINDOW and p0 + rec["tokens"]["question"] + 8 <= WINDOW
+    assert 0 < z["positions"]["resident_tokens"] <= p0
+    assert z["window_capped"] == (budget == "0.5")  # half of 1,500 tokens cannot fit 256 positions; a tenth can
+    assert 0 <= seen_positions["min"] and seen_positions["keys"] < p0 and seen_positions["model"] < WINDOW
+    assert rec["zoom"]["zoom_spans_total"] > 0
+
+
+def test_long_pack_batched_and_static_steps_stay_inside_the_window(long_packs, tiny_short, seen_positions):
+    """The accelerator's batched step and its static single-token path (run eagerly on the CPU): the same layout."""
+    from sekv_core import prompt
+    from sekv_core.generate import generate
+    from sekv_core.session import Session
+
+    s = Session.open(long_packs["sekv"], model=str(tiny_short), device="cpu")
+    cpu = s.ask("Who kept the lighthouse?", max_new_tokens=8)
+    s.memory.batched = True
+    q = "Who kept the lighthouse?"
+    ids = prompt.encode(s.lm.tokenizer, prompt.question_suffix(s.lm.tokenizer, q))
+    s.memory.truncate(s.start)
+    s.memory.place_in_window(s.window, len(ids) + 8)
+    out, _ = generate(s.lm.model, s.memory, ids, max_new_tokens=8, stop_ids=s.stop_ids, graphs=True, question=q)
+    extra = s.memory.step_stats().extra
+    assert extra["positions"]["question_at"] == cpu.stats.extra["positions"]["question_at"]
+    assert 0 < extra["positions"]["resident_tokens"] <= extra["positions"]["question_at"]
+    assert 0 <= seen_positions["min"] and seen_positions["keys"] < WINDOW and seen_positions["model"] < WINDOW
+    assert len(out) > 0
+
+
+@pytest.mark.parametrize("method", ["full", "snapkv"])
+def test_baselines_refuse_past_the_window(long_packs, method):
+    from test_cli import assert_one_line_error, run
+
+    code, out, err = run("ask", long_packs[method], "Who kept the lighthouse?", "-n", "4")
+    assert code == 2 and not out
+    assert_one_line_error(code, err, f"past ", f"window of {WINDOW}", "--method sekv")
+
+
+def test_rope_scaling_recorded_in_the_pack_extends_the_baselines_reach():
+    from sekv_core import reach
+    from sekv_core.errors import SekvError
+
+    yarn = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    assert reach.effective_window(yarn, 32768) == 131072
+    assert reach.effective_window({}, 32768) == reach.effective_window({"rope_scaling": {"rope_type": "linear"}}, 32768) == 32768
+    reach.check("full", 100_000, reach.effective_window(yarn, 32768), "m")
+    reach.check("sekv", 10**6, 32768, "m")
+    with pytest.raises(SekvError, match="100000 tokens, past m's window of 32768.*--method sekv"):
+        reach.check("snapkv", 100_000, 32768, "m")

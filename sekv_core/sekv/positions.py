@@ -44,6 +44,8 @@ class Layout:
         self.block_len = block_len.long().to(dev)
         self.block_span = block_span.long().to(dev)
         self.span_len = span_len.long().to(dev)
+        counts = torch.bincount(block_span.long(), minlength=self.S)
+        self.span_first_block = (torch.cumsum(counts, 0) - counts).to(dev)  # a span's blocks are consecutive, in order
         self.p0 = 0
         self.room = 0
 
@@ -74,9 +76,10 @@ class Layout:
         """Where the scout scores each zoom block [B]: the slot it would take were it the only one zoomed."""
         return self.place(torch.zeros(1, self.B, dtype=torch.bool, device=self.order.device))[1][0]
 
-    def cap(self, keep: torch.Tensor, priority: torch.Tensor) -> torch.Tensor:
-        """keep [Hkv, B] cut, per KV group, to the blocks of highest priority [Hkv, B] whose tokens fit ``room``."""
-        blen = self.block_len.to(keep.device)
+    def cap(self, keep: torch.Tensor, priority: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """keep [Hkv, X] cut, per KV group, to the units of highest priority [Hkv, X] while their tokens fit ``room``
+        (a prefix, as attention.select); X: zoom blocks, or spans with their ``lengths``."""
+        blen = (self.block_len if lengths is None else lengths).to(keep.device)
         order = torch.argsort(priority, dim=1, descending=True, stable=True)
         k = keep.gather(1, order)
         fits = torch.cumsum(k.long() * blen[order], 1) <= self.room
