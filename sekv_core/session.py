@@ -83,10 +83,7 @@ class Session:
         suffix = prompt.question_suffix(self.lm.tokenizer, question, history)
         q_ids = prompt.encode(self.lm.tokenizer, suffix)
         window, reserve = self.window, len(q_ids) + max_new_tokens
-        self.memory.truncate(self.start)
-        if window and reserve < window:
-            self.memory.place_in_window(window, reserve)  # sekv past the window: the question's position moves
-            self.start = self.memory.n_tokens()
+        self.start = start_ask(self.memory, self.start, window, reserve)
         if window and self.start + reserve > window:
             raise SekvError(
                 f"document ({self.base_tokens}) + question ({len(q_ids)}) + --max-new-tokens ({max_new_tokens}) tokens "
@@ -104,6 +101,16 @@ class Session:
         stats.extra = self.memory.step_stats().extra
         text = self.lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
         return Answer(text, ids, stats)
+
+
+def start_ask(memory: KVMemory, start: int, window: int, reserve: int) -> int:
+    """Back to the document's state (appended tokens dropped: ``start`` is where they began) before an ask that
+    appends up to ``reserve`` tokens; a memory past the window lays itself out inside it (KVMemory.place_in_window).
+    -> the position of the ask's first token."""
+    memory.truncate(start)
+    if window and reserve < window:
+        memory.place_in_window(window, reserve)
+    return memory.n_tokens()
 
 
 def resolve_method(pack: Pack, method: str | None, params: dict[str, Any] | None) -> tuple[str, Params]:

@@ -225,3 +225,51 @@ def test_rope_scaling_recorded_in_the_pack_extends_the_baselines_reach():
     reach.check("sekv", 10**6, 32768, "m")
     with pytest.raises(SekvError, match="100000 tokens, past m's window of 32768.*--method sekv"):
         reach.check("snapkv", 100_000, 32768, "m")
+
+
+# -- `sekv bench`: NIAH past the window ------------------------------------------------------------------------
+
+
+def test_multi_needle_niah_and_haystack_passes(tiny_qwen, haystack):
+    from transformers import AutoTokenizer
+
+    from sekv_core.bench import tasks
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen)
+    essays = tasks.load_haystack(haystack)
+    ctx = tasks.gen_mn_niah(tok, 900, 25, 3, essays)
+    assert len(ctx.probes) == 4 and len({p.item for p in ctx.probes}) == 4
+    for needle, p in zip(ctx.meta["needles"], ctx.probes):
+        assert ctx.document.count(needle) == 1 and ctx.document.count(p.expected[0]) == 1 and p.item in needle
+    assert ctx.meta["needle_depths"][0] == 25.0 and ctx.n_tokens <= 900
+    # past the last essay the haystack comes again in a new seeded order, not the first pass repeated
+    total = sum(len(e) for e in essays)
+    import random
+
+    out = tasks.haystack_sentences(essays, random.Random(1), 3 * total)
+    passes = [out[i * total : (i + 1) * total] for i in range(3)]
+    assert sorted(passes[0]) == sorted(passes[1]) and len(set(map(tuple, passes))) > 1
+
+
+def test_bench_niah_past_the_window_runs_sekv_only_and_resumes(tiny_short, haystack, tmp_path):
+    from sekv_core import models
+    from sekv_core.bench import runner
+
+    lm = models.load(str(tiny_short), device="cpu", dtype=torch.float32)
+    cfg = runner.BenchConfig(tasks=["niah", "mn_niah"], methods=["full", "sekv"], budgets=[0.1], lengths=[1024], depths=[50],
+                             seed=0, haystack=haystack, max_new_tokens=6)
+    warned = []
+
+    class Rep(runner.Reporter):
+        def warn(self, message):
+            warned.append(message)
+
+    o = runner.run(lm, cfg, tmp_path, Rep())
+    assert o.errors == [] and o.added == 5  # niah: 1 probe, mn_niah: 4; full cannot read 1,024 tokens in 256 positions
+    assert any("past" in w and "full" in w for w in warned)
+    recs = runner.read_results(tmp_path / runner.RESULTS_FILE)
+    assert {r["method"] for r in recs} == {"sekv"} and all(r["n_tokens"] > 3 * WINDOW for r in recs)
+    for r in recs:
+        pos = r["method_stats"]["positions"]
+        assert pos["window"] == WINDOW and 0 < pos["resident_tokens"] <= pos["question_at"] < WINDOW
+    assert runner.run(lm, cfg, tmp_path, Rep()).added == 0

@@ -30,12 +30,13 @@ from typing import Any, Iterable
 
 import torch
 
-from .. import __version__, methods, models, prompt
+from .. import __version__, methods, models, prompt, reach
 from ..errors import SekvError
 from ..generate import generate
 from ..methods import scores as prefill_scores
 from ..methods.base import DictStore, ModelShape
 from ..prefill import prefill
+from ..session import start_ask
 from . import scoring, tasks, variants
 
 RESULTS_FILE = "results.jsonl"
@@ -245,19 +246,23 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
     q_ids: dict[int, list[list[int]]] = {}
     for ci, ctx in enumerate(contexts):
         q_ids[ci] = [prompt.encode(tok, prompt.question_suffix(tok, p.question)) for p in ctx.probes]
-        longest = max(len(q) + _max_new(cfg, p) for q, p in zip(q_ids[ci], ctx.probes))
-        if window and ctx.n_tokens + longest > window:
-            raise SekvError(
-                f"{ctx.task} at {ctx.length} tokens + question and answer ({longest} tokens) exceeds "
-                f"{lm.model_id}'s context window of {window}; use shorter --lengths"
-            )
-
     outcome = Outcome()
     pending_by_ctx: list[list[tuple[int, str, float | None]]] = []
-    for ctx in contexts:
+    for ci, ctx in enumerate(contexts):
         pend = []
+        longest = max(len(q) + _max_new(cfg, p) for q, p in zip(q_ids[ci], ctx.probes))
+        # past the window only methods that re-position (sekv) can read a context (sekv_core/reach.py)
+        readable = [(m, b) for m, b in grid if _reaches(m, ctx.n_tokens + longest, window)]
+        if not readable:
+            raise SekvError(
+                f"{ctx.task} at {ctx.length} tokens + question and answer ({longest} tokens) exceeds "
+                f"{lm.model_id}'s context window of {window}; use shorter --lengths or --methods sekv"
+            )
+        if len(readable) < len(grid):
+            left = sorted({m for m, _ in grid} - {m for m, _ in readable})
+            reporter.warn(f"{ctx.task} at {ctx.length} tokens: past {lm.model_id}'s window of {window}; not run for {', '.join(left)}")
         for pi, p in enumerate(ctx.probes):
-            for m, b in grid:
+            for m, b in readable:
                 outcome.cells += 1
                 if cell_key(ctx.task, p.item, ctx.length, ctx.depth, ctx.seed, m, b, lm.model_id) in done:
                     outcome.skipped += 1
@@ -310,7 +315,7 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
                 t2 = time.perf_counter()
                 memory = method.open(DictStore(tensors), params, shape, device)
                 open_s = time.perf_counter() - t2
-                base = memory.n_tokens()
+                start = memory.n_tokens()
             except SharedPrefillModified:
                 raise
             except Exception as e:  # a broken method must not stop the sweep; the cells are retried next run
@@ -327,11 +332,11 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
                 rec = {**base_rec, "item": probe.item, "params": params.to_dict()}
                 try:
                     reporter.stage(f"{label}: answer")
-                    memory.truncate(base)
+                    start = start_ask(memory, start, window, len(q_ids[ci][pi]) + _max_new(cfg, probe))
                     load = _load_avg()
                     ans_ids, stats = generate(model, memory, q_ids[ci][pi], max_new_tokens=_max_new(cfg, probe), stop_ids=stop_ids, question=probe.question)
                     extra = memory.step_stats().extra
-                    memory.truncate(base)
+                    memory.truncate(start)
                 except Exception as e:
                     msg = f"{label} on {ctx.task}/{ctx.length}/{ctx.depth}: {type(e).__name__}: {e}"
                     outcome.errors.append(msg)
@@ -424,6 +429,14 @@ def _view_for(pre, method, params):
         return pre
     cut = dict(scores, obs_queries=[q[:, q.shape[1] - w :] for q in scores["obs_queries"]], obs_window=w)
     return dataclasses.replace(pre, scores=cut)
+
+
+def _reaches(m: str, n_tokens: int, window: int) -> bool:
+    try:
+        reach.check(variants.parse(m).method, n_tokens, window, "")
+    except SekvError:
+        return False
+    return True
 
 
 def _probe_key(task, item, length, depth, seed, model) -> str:
