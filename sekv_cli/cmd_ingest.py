@@ -14,7 +14,8 @@ from rich.text import Text
 
 from sekv_core.errors import SekvError
 
-from .display import err, human_bytes, model_progress, safe_line, token_progress
+from .display import err, human_bytes, safe_line
+from .ingest_display import ingest_progress
 
 
 @user_errors
@@ -52,10 +53,10 @@ def ingest(
     if output is None and doc.path is None:
         raise SekvError("reading the document from standard input (-) needs -o PACK")
     prepare_output(output or default_pack_path(doc.path), force=force, inputs=[doc.path] if doc.path else []).discard()  # before the model loads
-    with model_progress(not quiet) as cb, stage("model load"):
-        lm = models.load(model or models.DEFAULT_MODEL, device=device, progress=cb)
-    with token_progress("prefill", not quiet) as cb:
-        r = run_ingest(doc, output, lm=lm, method=method, params=params, force=force, progress=cb)
+    with ingest_progress(not quiet) as view:
+        with stage("model load"):
+            lm = models.load(model or models.DEFAULT_MODEL, device=device, progress=view.model if view else None)
+        r = run_ingest(doc, output, lm=lm, method=method, params=params, force=force, progress=view)
     if not quiet:
         err.print(
             Text.assemble(
@@ -63,7 +64,8 @@ def ingest(
                 f" {safe_line(str(r.pack_path))}  {r.n_tokens} tokens, method {r.method}, "
                 f"{human_bytes(r.pack_bytes)} ({100 * r.pack_bytes / r.raw_kv_fp16_bytes:.1f}% of the raw fp16 KV "
                 f"{human_bytes(r.raw_kv_fp16_bytes)}); prefill {r.prefill_s:.1f} s "
-                f"({r.n_tokens / max(r.prefill_s, 1e-9):.0f} tok/s), compress {r.compress_s:.1f} s",
+                f"({r.n_tokens / max(r.prefill_s, 1e-9):.0f} tok/s), compress {r.compress_s:.1f} s"
+                + (f", {r.windows} windows" if r.windows > 1 else ""),
             )
         )
     print(safe_line(str(r.pack_path)))

@@ -6,7 +6,7 @@ import contextlib
 import re
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
 from rich.table import Table
 
 # markup, emoji codes and highlighting off: what they print is data (documents, answers, names), never markup
@@ -58,30 +58,6 @@ def model_progress(enabled: bool = True):
 
         def cb(stage: str, done: int, total: int) -> None:
             p.update(task, description=stage, completed=done, total=max(total, 1))
-
-        yield cb
-
-
-@contextlib.contextmanager
-def token_progress(description: str, enabled: bool = True):
-    """Progress bar over tokens with a tokens/s readout."""
-    if not enabled:
-        yield None
-        return
-    cols = (
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total} tok"),
-        TextColumn("{task.fields[rate]}"),
-        TimeRemainingColumn(),
-    )
-    with Progress(*cols, console=err, transient=False) as p:
-        task = p.add_task(description, total=None, rate="")
-
-        def cb(done: int, total: int) -> None:
-            t = p.tasks[task]
-            rate = done / t.elapsed if t.elapsed else 0.0
-            p.update(task, completed=done, total=total, rate=f"{rate:.0f} tok/s")
 
         yield cb
 

@@ -1,22 +1,23 @@
-"""Ingest: document -> prompt tokens -> prefill once -> cache method -> context pack."""
+"""Ingest: document -> prompt tokens -> prefill (once, or in windows past the model's window) -> cache method -> context pack."""
 
 from __future__ import annotations
 
+import bisect
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
-from . import __version__, methods, models, prompt
+from . import __version__, methods, models, prompt, windows
 from .documents import Document, load_document
 from .errors import DocumentError, stage
 from .methods import scores
 from .methods.base import ModelShape
 from .methods.params import Params
 from .pack import prepare_output, write_pack
-from .prefill import DEFAULT_CHUNK, prefill
+from .prefill import DEFAULT_CHUNK, prefill_window
+from .windows import Window
 
 #: tokens kept free after the document for the question and the answer
 RESERVE_TOKENS = 512
@@ -34,6 +35,7 @@ class IngestResult:
     total_s: float
     method: str
     params: Params
+    windows: int = 1
 
 
 def default_pack_path(doc: Path) -> Path:
@@ -43,28 +45,89 @@ def default_pack_path(doc: Path) -> Path:
 
 def tokenize_document(lm: models.LoadedModel, doc: Document) -> tuple[list[int], list[list[int]]]:
     """Token ids of the document prefix, and the token -> page map as [page, start, end) runs."""
+    ids, runs, _ = _tokenize(lm, doc)
+    return ids, runs
+
+
+def _tokenize(lm: models.LoadedModel, doc: Document) -> tuple[list[int], list[list[int]], int]:
+    """tokenize_document(), and the header's length: the tokens before the document's text (every window's opening)."""
     text = prompt.document_prefix(lm.tokenizer, doc.text)
-    doc_start = text.index(doc.text) if doc.text else 0
+    doc_start = text.index(doc.text) if doc.text else len(text)
     enc = lm.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]
     runs: list[list[int]] = []
+    header = len(ids)
     for i, (a, _b) in enumerate(enc["offset_mapping"]):
         rel = a - doc_start
+        if rel >= 0 and header == len(ids):
+            header = i
         page = doc.page_at(rel) if 0 <= rel < len(doc.text) else 0
         if runs and runs[-1][0] == page:
             runs[-1][2] = i + 1
         else:
             runs.append([page, i, i + 1])
-    return ids, runs
+    return ids, runs, header
 
 
-def check_fits(lm: models.LoadedModel, doc: Document, n_tokens: int) -> None:
-    window = models.context_window(lm.config)
-    if window and n_tokens + RESERVE_TOKENS > window:
-        raise DocumentError(
-            f"{doc.path or doc.name}: the document is {n_tokens} tokens (+{RESERVE_TOKENS} reserved for the question and answer), "
-            f"longer than {lm.model_id}'s context window of {window} tokens; split it or use a model with a longer context"
-        )
+#: test / measurement knob: plan windows as if the model's context window were this many tokens
+WINDOW_ENV = "SEKV_INGEST_WINDOW"
+
+
+def plan_windows(lm: models.LoadedModel, doc: Document, n_tokens: int, cache_method, header_len: int) -> list[Window]:
+    """How the document is prefilled, the one place that decides: one window when it fits the model's context window
+    (less RESERVE_TOKENS for the question and answer), else windows (sekv_core/windows.py) for a method that takes
+    them, else a one-line DocumentError."""
+    window = int(os.environ.get(WINDOW_ENV) or 0) or models.context_window(lm.config)
+    whole = [Window(0, 1, 0, n_tokens, 0, 0)]
+    if not window or cache_method.length_policy == "any":
+        return whole
+    reserve = min(RESERVE_TOKENS, window // 4)
+    capacity = window - reserve
+    if n_tokens <= capacity:
+        return whole
+    if cache_method.length_policy == "windowed":
+        if model_shape(lm).rope_inv_freq is None:
+            raise DocumentError(f"{doc.path or doc.name}: the document is {n_tokens} tokens, longer than {lm.model_id}'s context window "
+                                f"of {window}, and this model's rotary embedding (dynamic or partial) cannot be re-positioned for windows")
+        try:
+            return windows.plan(n_tokens, header_len, capacity)
+        except ValueError as e:
+            raise DocumentError(f"{doc.path or doc.name}: cannot read it in windows of {lm.model_id}'s context: {e}") from None
+    raise DocumentError(
+        f"{doc.path or doc.name}: the document is {n_tokens} tokens (+{reserve} reserved for the question and answer), "
+        f"longer than {lm.model_id}'s context window of {window} tokens; --method {cache_method.name} needs it whole "
+        f"(--method sekv reads documents of any length), or split it"
+    )
+
+
+@dataclass(frozen=True)
+class IngestProgress:
+    """What ingest reports to its progress callback (the CLI's display; tokens/s and ETA are the caller's)."""
+
+    stage: str  # "prefill", "compress", "write"
+    tokens_done: int
+    tokens_total: int
+    pages_done: int
+    pages_total: int
+    window: int  # 1-based
+    windows: int
+
+
+class _Progress:
+    """Turns the prefill's per-window token counts into IngestProgress events (pages from the token -> page runs)."""
+
+    def __init__(self, cb, n_tokens: int, page_runs: list[list[int]], n_pages: int, n_windows: int):
+        self.cb, self.n, self.n_pages, self.n_windows = cb, n_tokens, n_pages, n_windows
+        self.ends = [r[2] for r in page_runs]
+        self.pages = [r[0] for r in page_runs]
+
+    def __call__(self, stage: str, done: int, window: int) -> None:
+        if self.cb is None:
+            return
+        i = bisect.bisect_left(self.ends, max(done, 1))
+        page = self.pages[min(i, len(self.pages) - 1)] if self.pages else 0
+        pages = self.n_pages if done >= self.n else min(page, self.n_pages)
+        self.cb(IngestProgress(stage, done, self.n, pages, self.n_pages, window + 1, self.n_windows))
 
 
 def ingest(
@@ -76,12 +139,12 @@ def ingest(
     params: dict[str, Any] | None = None,
     chunk: int = DEFAULT_CHUNK,
     force: bool = False,
-    on_tokens: Callable[[int], None] | None = None,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[IngestProgress], None] | None = None,
 ) -> IngestResult:
     """Document (a loaded one, or a path) -> pack.  The output is checked and reserved before the prefill (see
     pack.prepare_output); each stage's unexpected failure is one error naming it (errors.stage), and nothing is
-    left at the output path unless the whole pack was written."""
+    left at the output path unless the whole pack was written.  A document longer than the model's window is
+    prefilled in windows for a method that takes them (plan_windows)."""
     t0 = time.perf_counter()
     if not isinstance(doc, Document):
         doc = load_document(doc)
@@ -91,28 +154,46 @@ def ingest(
         raise DocumentError("reading the document from stdin needs -o PACK")
     out_path = Path(out) if out else default_pack_path(doc.path)
     with stage("tokenize"):
-        ids, page_runs = tokenize_document(lm, doc)
-    check_fits(lm, doc, len(ids))
+        ids, page_runs, header_len = _tokenize(lm, doc)
+    plan = plan_windows(lm, doc, len(ids), cache_method, header_len)
     shape = model_shape(lm)
     raw_fp16 = len(ids) * shape.kv_bytes_per_token(itemsize=2)
+    report = _Progress(progress, len(ids), page_runs, len(doc.pages), len(plan))
     slot = prepare_output(out_path, force=force, inputs=[doc.path] if doc.path else [], needed_bytes=int(raw_fp16 * 1.1) + (1 << 20))
     try:
-        if on_tokens:
-            on_tokens(len(ids))
+        needs = cache_method.needs_scores
+        text_scores = scores.text_scores(lm.tokenizer, prompt.document_prefix(lm.tokenizer, doc.text), ids, needs)
+        on_gpu = next(lm.model.parameters()).device.type == "cuda"
+        if on_gpu and len(plan) == 1:  # host memory for compress's results, ready by the time it runs
+            cache_method.reserve_host(len(ids), shape, params)
+        kw = dict(with_surprisal=cache_method.needs_surprisal, chunk=chunk, capture=scores.capture_kinds(needs),
+                  obs_window=cache_method.obs_window(params))
+        spent = {"prefill": 0.0}
+
+        def window_prefills():
+            for w in plan:
+                report("prefill", w.start, w.index)
+                ta = time.perf_counter()
+                with stage("prefill"):
+                    r = prefill_window(lm.model, ids, header_len, w, progress=lambda d, _n, w=w: report("prefill", w.start + d, w.index), **kw)
+                r.scores.update(text_scores)
+                spent["prefill"] += time.perf_counter() - ta
+                report("compress", w.end, w.index)
+                yield r
+                del r
+
         t1 = time.perf_counter()
-        with stage("prefill"):
-            if next(lm.model.parameters()).device.type == "cuda":  # host memory for compress's results, ready by the time it runs
-                cache_method.reserve_host(len(ids), shape, params)
-            needs = cache_method.needs_scores
-            result = prefill(lm.model, torch.tensor(ids), with_surprisal=cache_method.needs_surprisal, chunk=chunk, progress=progress,
-                             capture=scores.capture_kinds(needs), obs_window=cache_method.obs_window(params))
-            result.scores.update(scores.text_scores(lm.tokenizer, prompt.document_prefix(lm.tokenizer, doc.text), ids, needs))
-        t2 = time.perf_counter()
-        with stage("compress"):
-            tensors = cache_method.compress(result, params)
-            tensors = {k: v.cpu() for k, v in tensors.items()}
+        if cache_method.length_policy == "windowed":
+            with stage("compress"):
+                tensors = cache_method.compress_windows(window_prefills(), params)
+        else:
+            result = next(window_prefills())
+            with stage("compress"):
+                tensors = cache_method.compress(result, params)
+            del result
+        tensors = {k: v.cpu() for k, v in tensors.items()}
         t3 = time.perf_counter()
-        shape = result.shape
+        prefill_s = spent["prefill"]
         manifest = {
             "sekv_version": __version__,
             "method": method,
@@ -135,16 +216,18 @@ def ingest(
             },
             "n_tokens": len(ids),
             "token_ids": ids,
+            "windows": [[w.start, w.end] for w in plan],
             "sizes": {"raw_kv_fp16_bytes": raw_fp16, "tensor_bytes": int(sum(t.numel() * t.element_size() for t in tensors.values()))},
-            "timings": {"prefill_s": round(t2 - t1, 3), "compress_s": round(t3 - t2, 3)},
+            "timings": {"prefill_s": round(prefill_s, 3), "compress_s": round(t3 - t1 - prefill_s, 3)},
         }
+        report("write", len(ids), len(plan) - 1)
         with stage("write"):
             size = write_pack(out_path, manifest, tensors, slot=slot)
     except BaseException:
         slot.discard()
         raise
     t4 = time.perf_counter()
-    return IngestResult(out_path, len(ids), size, raw_fp16, t2 - t1, t3 - t2, t4 - t3, t4 - t0, method, params)
+    return IngestResult(out_path, len(ids), size, raw_fp16, prefill_s, t3 - t1 - prefill_s, t4 - t3, t4 - t0, method, params, len(plan))
 
 
 def model_shape(lm: models.LoadedModel) -> ModelShape:

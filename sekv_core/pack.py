@@ -528,6 +528,10 @@ def check_manifest(pack: Pack) -> None:
                     or not (0 <= r[0] <= pages and prev <= r[1] < r[2] <= n)):
                 raise _damaged("the manifest's token -> page map is out of range")
             prev = r[2]
+        win = m.get("windows", [[0, n]])  # windowed ingest: the token ranges each window kept, in order
+        if (not isinstance(win, list) or not win or not all(isinstance(w, list) and len(w) == 2 and all(type(x) is int for x in w) for w in win)
+                or win[0][0] != 0 or win[-1][1] != n or any(a[1] != b[0] for a, b in zip(win, win[1:])) or any(w[0] >= w[1] for w in win if n)):
+            raise _damaged("the manifest's windows do not cover the document's tokens in order")
         shape = m["model"]["shape"]
         if shape["heads"] % shape["kv_heads"]:
             raise _damaged("the manifest's model shape is inconsistent (heads not a multiple of kv_heads)")

@@ -65,3 +65,48 @@ def prefill(
     scores = memory.export() if capture else {}
     return PrefillResult(ids[0].cpu(), keys, values, surprisal if with_surprisal else None, shape, scores=scores,
                          model_fingerprint=str(getattr(model, "sekv_fingerprint", "")), model_id=str(getattr(model, "sekv_model_id", "")), model=model)
+
+
+def prefill_window(
+    model,
+    ids: list[int],
+    header_len: int,
+    window,
+    *,
+    with_surprisal: bool,
+    chunk: int = DEFAULT_CHUNK,
+    progress: Callable[[int, int], None] | None = None,
+    capture: Sequence[str] = (),
+    obs_window: int = 64,
+) -> PrefillResult:
+    """One window of a windowed ingest (sekv_core/windows.py): its header, carried context and own part prefilled at
+    native positions; returned is its own part only, at global positions (keys and recorded queries re-rotated by
+    the window's offset; PrefillResult.start, .doc_tokens set).  progress(done, total) counts its own part's tokens."""
+    from .windows import shift
+
+    local = window.local_ids(ids, header_len)
+    drop = len(local) - window.n
+
+    def own(done: int, total: int) -> None:
+        progress(max(0, done - drop), window.n)
+
+    r = prefill(model, torch.tensor(local), with_surprisal=with_surprisal, chunk=chunk, progress=own if progress else None,
+                capture=capture, obs_window=min(obs_window, window.n))
+    delta = window.offset
+    inv = None
+    if delta:
+        from .sekv import rope
+
+        inv = rope.inv_freq_of(r.shape)
+        if inv is None:
+            raise ValueError("the model's rotary embedding is not static (dynamic / partial RoPE): its windows cannot be re-positioned")
+    keys = [shift(k[:, drop:], delta, inv) for k in r.keys] if delta else [k[:, drop:] for k in r.keys]
+    values = [v[:, drop:] for v in r.values]
+    scores = dict(r.scores)
+    if delta and scores.get("obs_queries") is not None:  # the queries meet the keys in the same frame
+        scores["obs_queries"] = [shift(q, delta, inv) for q in scores["obs_queries"]]
+    if scores.get("attn_mass") is not None:
+        scores["attn_mass"] = [m[:, drop:] for m in scores["attn_mass"]]
+    surprisal = r.surprisal[drop:] if r.surprisal is not None else None
+    return PrefillResult(r.token_ids[drop:], keys, values, surprisal, r.shape, scores=scores, model_fingerprint=r.model_fingerprint,
+                         model_id=r.model_id, model=r.model, start=window.start, doc_tokens=len(ids))

@@ -31,7 +31,7 @@ def effective_window(model_manifest: Mapping[str, Any] | None, native: int) -> i
 
 def check(method: str, n_tokens: int, window: int, model_id: str) -> None:
     """One line naming ``sekv`` where ``method`` cannot address a document of n_tokens in ``window`` positions."""
-    if not window or n_tokens <= window or getattr(methods.get(method.split(":", 1)[0]), "repositions", False):
-        return
+    if not window or n_tokens <= window or methods.get(method.split(":", 1)[0]).length_policy != "window":
+        return  # "windowed" (sekv): re-positioned at ask time; "any": the method prefills what it reads at ask time
     raise SekvError(f"the document is {n_tokens} tokens, past {model_id}'s window of {window}, which --method {method} cannot read "
                     "beyond; ingest it with --method sekv")

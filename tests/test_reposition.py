@@ -116,13 +116,22 @@ def test_layout_by_hand():
 
 # -- a pack 6x longer than a tiny model's window, through the command line --------------------------------------
 
-WINDOW = 256  # the tiny_short model's max_position_embeddings
+WINDOW = 512  # the tiny_window model's max_position_embeddings
 
 
 @pytest.fixture(scope="module")
-def long_packs(tiny_short, tmp_path_factory):
-    """sekv, full and snapkv packs of ~1,500 tokens for a 256-position model: single-prefill ingest with the window check
-    bypassed (RoPE is math past the window; the tensors have a windowed ingest's form: token i at position i)."""
+def tiny_window(tmp_path_factory):
+    """A tiny model with a 512-position window (windowed ingest needs room for the prompt's header in each window)."""
+    from conftest import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_window"), "qwen2", max_positions=WINDOW)
+
+
+@pytest.fixture(scope="module")
+def long_packs(tiny_window, tmp_path_factory):
+    """Packs of ~2,800 tokens for a 512-position model: sekv's ingested in windows (sekv_core/windows.py); full's
+    and snapkv's in one prefill planned as if the window were larger (SEKV_INGEST_WINDOW: RoPE is math past the
+    window), as a pack made elsewhere would be."""
     from conftest import SAMPLE_MD
     from sekv_core import ingest
     from test_cli import run
@@ -130,14 +139,15 @@ def long_packs(tiny_short, tmp_path_factory):
     d = tmp_path_factory.mktemp("long")
     text = SAMPLE_MD.read_text()
     doc = d / "log.md"
-    doc.write_text(text[: len(text) * 11 // 20])
+    doc.write_text(text)
     out = {}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ingest, "check_fits", lambda *a, **k: None)
-        for method in ("sekv", "full", "snapkv"):
-            out[method] = d / f"{method}.sekv"
-            code, _, err = run("ingest", doc, "-o", out[method], "--model", tiny_short, "--method", method, "-q")
-            assert code == 0, err
+    for method in ("sekv", "full", "snapkv"):
+        out[method] = d / f"{method}.sekv"
+        with pytest.MonkeyPatch.context() as mp:
+            if method != "sekv":
+                mp.setenv(ingest.WINDOW_ENV, "100000")
+            code, _, err = run("ingest", doc, "-o", out[method], "--model", tiny_window, "--method", method, "-q")
+        assert code == 0, err
     return out
 
 
@@ -169,8 +179,9 @@ def test_long_pack_answers_inside_the_window(long_packs, seen_positions, budget)
     from sekv_core.pack import read_pack
     from test_cli import run
 
-    n = read_pack(long_packs["sekv"]).n_tokens()
-    assert 4 * WINDOW <= n <= 8 * WINDOW
+    pack = read_pack(long_packs["sekv"])
+    n = pack.n_tokens()
+    assert 4 * WINDOW <= n <= 8 * WINDOW and len(pack.manifest.get("windows") or []) > 4
     code, out, err = run("ask", long_packs["sekv"], "Who kept the lighthouse?", "-n", "8", "--json", "--budget", budget)
     assert code == 0, err
     rec = json.loads(out)
@@ -179,18 +190,18 @@ def test_long_pack_answers_inside_the_window(long_packs, seen_positions, budget)
     p0 = z["positions"]["question_at"]
     assert z["positions"]["window"] == WINDOW and p0 + rec["tokens"]["question"] + 8 <= WINDOW
     assert 0 < z["positions"]["resident_tokens"] <= p0
-    assert z["window_capped"] == (budget == "0.5")  # half of 1,500 tokens cannot fit 256 positions; a tenth can
+    assert z["window_capped"] == (budget == "0.5")  # half of 2,800 tokens cannot fit 512 positions; a tenth can
     assert 0 <= seen_positions["min"] and seen_positions["keys"] < p0 and seen_positions["model"] < WINDOW
     assert rec["zoom"]["zoom_spans_total"] > 0
 
 
-def test_long_pack_batched_and_static_steps_stay_inside_the_window(long_packs, tiny_short, seen_positions):
+def test_long_pack_batched_and_static_steps_stay_inside_the_window(long_packs, tiny_window, seen_positions):
     """The accelerator's batched step and its static single-token path (run eagerly on the CPU): the same layout."""
     from sekv_core import prompt
     from sekv_core.generate import generate
     from sekv_core.session import Session
 
-    s = Session.open(long_packs["sekv"], model=str(tiny_short), device="cpu")
+    s = Session.open(long_packs["sekv"], model=str(tiny_window), device="cpu")
     cpu = s.ask("Who kept the lighthouse?", max_new_tokens=8)
     s.memory.batched = True
     q = "Who kept the lighthouse?"
@@ -251,12 +262,12 @@ def test_multi_needle_niah_and_haystack_passes(tiny_qwen, haystack):
     assert sorted(passes[0]) == sorted(passes[1]) and len(set(map(tuple, passes))) > 1
 
 
-def test_bench_niah_past_the_window_runs_sekv_only_and_resumes(tiny_short, haystack, tmp_path):
+def test_bench_niah_past_the_window_runs_sekv_only_and_resumes(tiny_window, haystack, tmp_path):
     from sekv_core import models
     from sekv_core.bench import runner
 
-    lm = models.load(str(tiny_short), device="cpu", dtype=torch.float32)
-    cfg = runner.BenchConfig(tasks=["niah", "mn_niah"], methods=["full", "sekv"], budgets=[0.1], lengths=[1024], depths=[50],
+    lm = models.load(str(tiny_window), device="cpu", dtype=torch.float32)
+    cfg = runner.BenchConfig(tasks=["niah", "mn_niah"], methods=["full", "sekv"], budgets=[0.1], lengths=[2048], depths=[50],
                              seed=0, haystack=haystack, max_new_tokens=6)
     warned = []
 
@@ -265,10 +276,11 @@ def test_bench_niah_past_the_window_runs_sekv_only_and_resumes(tiny_short, hayst
             warned.append(message)
 
     o = runner.run(lm, cfg, tmp_path, Rep())
-    assert o.errors == [] and o.added == 5  # niah: 1 probe, mn_niah: 4; full cannot read 1,024 tokens in 256 positions
+    assert o.errors == [] and o.added == 5  # niah: 1 probe, mn_niah: 4; full cannot read 2,048 tokens in 512 positions
     assert any("past" in w and "full" in w for w in warned)
     recs = runner.read_results(tmp_path / runner.RESULTS_FILE)
     assert {r["method"] for r in recs} == {"sekv"} and all(r["n_tokens"] > 3 * WINDOW for r in recs)
+    assert all(int(r["prefill_with"][-1].split()[0]) >= 4 for r in recs), recs[0]["prefill_with"]  # "N windows"
     for r in recs:
         pos = r["method_stats"]["positions"]
         assert pos["window"] == WINDOW and 0 < pos["resident_tokens"] <= pos["question_at"] < WINDOW

@@ -30,12 +30,13 @@ from typing import Any, Iterable
 
 import torch
 
-from .. import __version__, methods, models, prompt, reach
+from .. import __version__, ingest, methods, models, prompt, reach
 from ..errors import SekvError
 from ..generate import generate
 from ..methods import scores as prefill_scores
 from ..methods.base import DictStore, ModelShape
-from ..prefill import prefill
+from ..documents import Document, PageSpan
+from ..prefill import prefill, prefill_window
 from ..session import start_ask
 from . import scoring, tasks, variants
 
@@ -281,7 +282,11 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
         need_s = any(methods.get(variants.parse(m).method).needs_surprisal for m, _ in pend_methods)
         reporter.stage(f"prefill {ids.numel()} tokens")
         t0 = time.perf_counter()
-        pre, prefill_with = _prefill_for(model, tok, ids, doc_text, need_s, pend_methods)
+        past = window and ctx.n_tokens + max(len(q) + _max_new(cfg, p) for q, p in zip(q_ids[ci], ctx.probes)) > window
+        if past:  # only windowed methods are pending: the document prefilled in windows, as `sekv ingest` does
+            pre, prefill_with = _windowed_prefills(lm, ctx, ids.tolist(), need_s, pend_methods, window)
+        else:
+            pre, prefill_with = _prefill_for(model, tok, ids, doc_text, need_s, pend_methods)
         prefill_s = time.perf_counter() - t0
         outcome.prefills += 1
         stamp = _fingerprint(pre)
@@ -307,7 +312,11 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
                 reporter.stage(f"{label}: compress")
                 torch.manual_seed(cfg.seed)
                 t1 = time.perf_counter()
-                tensors = {k: v.cpu() for k, v in method.compress(_view_for(pre, method, params), params).items()}
+                if past:
+                    made = method.compress_windows(iter([_view_for(w, method, params) for w in pre]), params)
+                else:
+                    made = method.compress(_view_for(pre, method, params), params)
+                tensors = {k: v.cpu() for k, v in made.items()}
                 compress_s = time.perf_counter() - t1
                 if _fingerprint(pre) != stamp:  # every later method would see corrupted K/V
                     raise SharedPrefillModified(f"method '{m}' changed the prefill's K/V in place in compress(); the benchmark shares one "
@@ -383,7 +392,9 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
 
 
 def _fingerprint(pre) -> float:
-    """A cheap checksum of the prefill's K/V (to catch a compress() that writes into them)."""
+    """A cheap checksum of the prefill's K/V (to catch a compress() that writes into them); a list: every window's."""
+    if isinstance(pre, list):
+        return sum(_fingerprint(w) for w in pre)
     return float(sum(torch.nan_to_num(t.float()).abs().sum(dtype=torch.float64) for t in (*pre.keys, *pre.values)))
 
 
@@ -417,6 +428,29 @@ def _prefill_for(model, tok, ids: torch.Tensor, text: str, with_surprisal: bool,
     pre = prefill(model, ids, with_surprisal=with_surprisal, **kwargs)
     pre.scores.update(prefill_scores.text_scores(tok, text, ids.tolist(), needs))
     return pre, (["surprisal"] if with_surprisal else []) + sorted(needs)
+
+
+def _windowed_prefills(lm: models.LoadedModel, ctx: tasks.Context, ids: list[int], with_surprisal: bool, pairs, window: int):
+    """A context past the model's window, prefilled in windows as `sekv ingest` plans them (sekv_core/windows.py),
+    each window's statistics the union of what the pending methods need: (the windows' prefills, what they computed)."""
+    needs: set[str] = set()
+    obs = 0
+    for m, b in pairs:
+        variant = variants.parse(m)
+        method = methods.get(variant.method)
+        needs.update(_needs_scores(method))
+        obs = max(obs, _obs_window(method, method.resolve_params(variant.params(b))))
+    doc = Document(None, ctx.task, "txt", ctx.document, "", (PageSpan(1, 0, len(ctx.document)),))
+    _, _, header_len = ingest._tokenize(lm, doc)
+    plan = ingest.plan_windows(lm, doc, len(ids), methods.get(variants.parse(next(iter(pairs))[0]).method), header_len)
+    text = prompt.document_prefix(lm.tokenizer, ctx.document)
+    shared = prefill_scores.text_scores(lm.tokenizer, text, ids, needs)
+    out = []
+    for w in plan:
+        r = prefill_window(lm.model, ids, header_len, w, with_surprisal=with_surprisal, capture=prefill_scores.capture_kinds(needs), obs_window=obs or 64)
+        r.scores.update(shared)
+        out.append(r)
+    return out, (["surprisal"] if with_surprisal else []) + sorted(needs) + [f"{len(plan)} windows"]
 
 
 def _view_for(pre, method, params):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Mapping, Protocol
+from typing import Any, Callable, Hashable, Iterable, Mapping, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +94,10 @@ class PrefillResult:
     model_id: str = ""
     #: the model that made the prefill (a method that reruns it at compress time reads it: kvzip), None when unknown
     model: Any = field(default=None, repr=False, compare=False)
+    #: windowed ingest (sekv_core/windows.py): the global index of token 0 of this window's kept part, and the
+    #: whole document's token count (0: this prefill is the whole document)
+    start: int = 0
+    doc_tokens: int = 0
 
     @property
     def n_tokens(self) -> int:
@@ -340,9 +344,10 @@ class CacheMethod(ABC):
     params_type: type[Params] = Params
     #: named variants for `sekv bench --ablations` (name -> an object with ``overrides``), if any
     ablations: Mapping[str, Any] = {}
-    #: whether its memory reads documents past the model's window (KVMemory.place_in_window); the others are
-    #: refused there (sekv_core/reach.py)
-    repositions: bool = False
+    #: documents longer than the model's window (sekv_core/ingest.py plan_windows): "window" = refused (the whole
+    #: document must fit one prefill); "windowed" = prefilled in windows (sekv_core/windows.py), given to
+    #: compress_windows(); "any" = the method needs no prefill of the whole document
+    length_policy: str = "window"
 
     @property
     def default_params(self) -> dict[str, Any]:
@@ -368,6 +373,12 @@ class CacheMethod(ABC):
     @abstractmethod
     def compress(self, prefill: PrefillResult, params: Params) -> dict[str, torch.Tensor]:
         """Tensors to store in the pack (CPU tensors)."""
+
+    def compress_windows(self, windows: Iterable[PrefillResult], params: Params) -> dict[str, torch.Tensor]:
+        """Tensors to store for a document prefilled in windows (``length_policy = "windowed"``): ``windows`` yields
+        each window's kept part at global positions (PrefillResult.start, .doc_tokens), one at a time, so that
+        host memory holds one window's KV plus what the pack keeps.  A one-window document gives one."""
+        raise NotImplementedError(f"{self.name} does not ingest in windows")
 
     @abstractmethod
     def open(self, store: "TensorStore", params: Params, shape: ModelShape, device) -> KVMemory:

@@ -17,10 +17,10 @@ class SekvMethod(CacheMethod):
     summary = "SeKV: anchors + coarse span means on device, per-span SVD factors on CPU, zoom-in decoding"
     params_type = SekvParams
     needs_surprisal = True
+    length_policy = "windowed"
     # the document end's queries (the scout's question-independent profile), the tokens' word terms (its lexical evidence)
     needs_scores = ("obs_queries", "lex_terms")
     ablations = ABLATIONS
-    repositions = True  # re-positioned attention (sekv/positions.py)
 
     def obs_window(self, params: SekvParams) -> int:
         return scout.PROFILE_QUERIES
@@ -34,6 +34,10 @@ class SekvMethod(CacheMethod):
         # many small tensor ops: intra-op threads cost more than they give on a small CPU
         with fz.single_thread():
             return compress.compress(prefill, params, arena.take() if arena is not None else None)
+
+    def compress_windows(self, windows, params: SekvParams):
+        arena, self._arena = getattr(self, "_arena", None), None
+        return compress.compress_windows(windows, params, arena.take() if arena is not None else None)
 
     def open(self, store: TensorStore, params: SekvParams, shape: ModelShape, device) -> KVMemory:
         return ZoomMemory(store, params, shape, device)

@@ -128,11 +128,24 @@ def _unpack_bits(codes: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     return (b << sh[:bits].long()).sum(1)
 
 
+#: elements encoded at a time, in groups of `group` (a multiple of 8, so every chunk's codes are whole bytes): the
+#: float / index temporaries stay ~20 bytes x this, not x the document's factor count
+_ENCODE_CHUNK = 1 << 20
+
+
 def encode(q: torch.Tensor, group: int, levels: str = "nf4") -> tuple[torch.Tensor, torch.Tensor]:
     """int8 [n] -> (codes uint8 [ceil(n * bits / 8)], group maxima uint8 [ceil(n / group)]); bits = bits_of(levels)."""
     if q.dtype != torch.int8 or q.dim() != 1:
         raise ValueError("codec.encode takes a 1-D int8 tensor")
     check(group, levels)
+    step = max(1, _ENCODE_CHUNK // (8 * group)) * 8 * group  # groups and bytes never straddle two chunks
+    if q.numel() <= step:
+        return _encode(q, group, levels)
+    parts = [_encode(q[a : a + step], group, levels) for a in range(0, q.numel(), step)]
+    return torch.cat([c for c, _ in parts]), torch.cat([m for _, m in parts])
+
+
+def _encode(q: torch.Tensor, group: int, levels: str) -> tuple[torch.Tensor, torch.Tensor]:
     lv = LEVELS[levels].to(q.device)
     n = q.numel()
     g = n_groups(n, group)
@@ -186,6 +199,23 @@ def _us_order(rank: torch.Tensor, span_len: torch.Tensor) -> torch.Tensor:
     return column_order(span_len.long().view(1, -1).expand_as(rank), rank)
 
 
+def _to_columns(us: torch.Tensor, rank: torch.Tensor, span_len: torch.Tensor) -> torch.Tensor:
+    """``x[_us_order(rank, span_len)] = us``, a run of whole blocks at a time (a block keeps its offset, so runs
+    reorder independently): the index temporaries stay ~_ENCODE_CHUNK elements."""
+    rows = span_len.long().view(1, -1).expand_as(rank).flatten()
+    cols = rank.long().flatten()
+    size = rows * cols
+    x = torch.empty_like(us)
+    end = torch.cumsum(size, 0)
+    b0, o0 = 0, 0
+    while b0 < size.numel():
+        b1 = max(b0 + 1, int(torch.searchsorted(end, o0 + _ENCODE_CHUNK, right=True)))
+        o1 = int(end[b1 - 1])
+        x[o0:o1][column_order(rows[b0:b1], cols[b0:b1])] = us[o0:o1]
+        b0, o0 = b1, o1
+    return x
+
+
 def _lead_mask(rank: torch.Tensor, d: int, lead: int) -> torch.Tensor:
     """Elements of a packed ``vt`` in the first ``lead`` rows of their block: bool [sum r * d]."""
     r = rank.long().flatten()
@@ -229,9 +259,7 @@ def encode_factors(f: fz.Factors, span_len: torch.Tensor, d: int, *, group: int,
     dev = f.us.device
     us = f.us
     if order == "col":
-        x = torch.empty_like(us)
-        x[_us_order(f.rank.to(dev), span_len.to(dev))] = us
-        us = x
+        us = _to_columns(us, f.rank.to(dev), span_len.to(dev))
     lm = _lead_mask(f.rank.to(dev), d, lead)
     cu, mu = encode(us, group, levels)
     cv, mv = encode(f.vt[~lm], group, levels)

@@ -3,7 +3,8 @@
 surprisal -> anchors + spans (sekv/segment.py) -> coarse means (sekv/summarize.py) -> per-span SVD factors of
 pre-RoPE keys and of values (sekv/factorize.py, sekv/rope.py), coded 4-bit (sekv/codec.py) -> router W, norms, tau
 (sekv/router.py) and the scout's document profile and word terms (sekv/scout.py, sekv/lexical.py).  Runs on the
-prefill's device; only the results move to the host (sekv/host_copies.py).
+prefill's device; only the results move to the host (sekv/host_copies.py).  A document prefilled in windows
+(sekv_core/windows.py) is compressed a window at a time (:func:`compress_window`) and merged (sekv/merge.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from ..methods.base import ModelShape, PrefillResult
 from . import codec
 from . import factorize as fz
-from . import layout, rope, router, router_file, scout
+from . import layout, merge, rope, router, router_file, scout
 from .host_copies import HostCopies, to_host
 from .params import SekvParams
 from .segment import Segmentation, auto_lengths, fixed_segment, segment, zoom_blocks
@@ -30,14 +31,20 @@ def lengths(n_tokens: int, params: SekvParams) -> tuple[int, int, int]:
 
 
 def segmentation(prefill: PrefillResult, params: SekvParams) -> Segmentation:
+    """The spans of a prefill's tokens (local indices).  A window of a windowed ingest (sekv_core/windows.py) is
+    segmented on its own, so no span straddles two windows: the sinks only in the document's first window, the
+    full-resolution recent window only in its last; span lengths from the whole document's token count."""
     n = prefill.n_tokens
-    mn, mx, w = lengths(n, params)
+    n_doc = prefill.doc_tokens or n
+    mn, mx, w = lengths(n_doc, params)
+    n_sink = params.n_sink if prefill.start == 0 else 0
+    w = w if prefill.start + n == n_doc else 0
     s = prefill.surprisal if prefill.surprisal is not None else torch.zeros(n)
-    seg = segment(s, alpha=params.alpha, min_span=mn, max_span=mx, n_sink=params.n_sink, window=w, anchors=params.anchors)
+    seg = segment(s, alpha=params.alpha, min_span=mn, max_span=mx, n_sink=n_sink, window=w, anchors=params.anchors)
     if params.segmentation == "surprisal":
         return seg
     chunk = params.chunk or (float(seg.span_len.float().mean()) if seg.n_spans else 0.0)
-    return fixed_segment(n, chunk=chunk, n_sink=params.n_sink, window=w, anchors=params.anchors)
+    return fixed_segment(n, chunk=chunk, n_sink=n_sink, window=w, anchors=params.anchors)
 
 
 def host_bound(n: int, shape: ModelShape, params: SekvParams) -> int:
@@ -68,75 +75,76 @@ def codec_configs(params: SekvParams) -> tuple[dict, dict]:
 
 
 def compress(prefill: PrefillResult, params: SekvParams, arena: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """The pack's tensors (host memory); ``arena``: host memory to copy them into (sekv/host_copies.py)."""
+    """The pack's tensors (host memory) of a document prefilled at once; ``arena``: host memory to copy them into
+    (sekv/host_copies.py).  The one-window case of :func:`compress_windows`."""
+    return compress_windows([prefill], params, arena)
+
+
+def compress_windows(windows, params: SekvParams, arena: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The pack's tensors of a document given as window prefills (at global positions, one at a time): each window
+    compressed on its own (:func:`compress_window`), then merged (sekv/merge.py)."""
+    pieces, trained, lex, moments = [], None, None, []
+    for prefill in windows:
+        if not pieces:
+            trained = trained_router(prefill, params, prefill.shape)
+        if prefill.scores and prefill.scores.get("lex_terms") is not None:
+            lex = prefill.scores["lex_terms"]
+        with fz.single_thread():  # many small tensor ops: intra-op threads cost more than they give (the prefill keeps them)
+            piece = compress_window(prefill, params, trained, arena if not pieces else None)
+        m = [piece.tensors.pop(f"moment.{li}") for li in range(prefill.shape.n_layers)]  # summed as they come
+        moments = m if not moments else [a + b for a, b in zip(moments, m)]
+        pieces.append(piece)
+        shape, n_doc, dev = prefill.shape, prefill.doc_tokens or prefill.n_tokens, prefill.keys[0].device
+        del prefill  # one window's KV at a time
+    with fz.single_thread():
+        return merge.merge(pieces, moments, params, shape, n_doc, lex, trained, dev)
+
+
+def compress_window(prefill: PrefillResult, params: SekvParams, trained=None, arena: torch.Tensor | None = None) -> merge.Piece:
+    """One window's spans, full-resolution tokens, coarse entries, factors (not yet coded) and key moments, on the
+    host; global positions from prefill.start."""
     shape = prefill.shape
     seg = segmentation(prefill, params)
     pos, sid = seg.span_tokens()
     inv = rope.inv_freq_of(shape)
     pre = params.key_space == "pre_rope" and inv is not None
-    trained = trained_router(prefill, params, shape)
-    out = _document_tensors(prefill, params, seg, pre, inv, trained)
+    out = _window_tensors(prefill, params, seg)
     dev = prefill.keys[0].device
     weights = span_weights(prefill.surprisal, pos, sid, seg.n_spans, params.weighting).to(dev)
     cos_sin = None
-    if pre:
-        cos_sin = tuple(t.to(dev) for t in rope.cos_sin(pos, inv, shape.rope_attention_scaling, dtype=prefill.keys[0].dtype))
+    if pre:  # the keys are at their global positions
+        gpos = pos + prefill.start
+        cos_sin = tuple(t.to(dev) for t in rope.cos_sin(gpos, inv, shape.rope_attention_scaling, dtype=prefill.keys[0].dtype))
     copies = HostCopies(dev, arena if dev.type == "cuda" else None)
     ctx = (pos.to(dev), sid.to(dev), weights, seg.full_idx.to(dev), seg.span_len, cos_sin, trained)
     for li in range(shape.n_layers):
         copies.submit(out)  # the previous layer's results travel while this layer computes
         out.update(_layer_tensors(prefill, params, li, *ctx))
-    return to_host(out, copies)
+    return merge.Piece(prefill.start, prefill.n_tokens, seg, to_host(out, copies))
 
 
-def _document_tensors(prefill: PrefillResult, params: SekvParams, seg: Segmentation, pre: bool, inv, trained) -> dict[str, torch.Tensor]:
-    """Everything but the per-layer tensors: configuration, spans, router thresholds, scout evidence."""
-    shape = prefill.shape
-    L, hkv, d, H = shape.n_layers, shape.n_kv_heads, shape.head_dim, shape.n_heads
-    mn, mx, w = lengths(prefill.n_tokens, params)
-    out: dict[str, torch.Tensor] = {
-        "sekv.config": torch.tensor([prefill.n_tokens, L, hkv, d, mn, mx, w, params.n_sink if params.anchors else 0], dtype=torch.long),
-        "sekv.key_space": torch.tensor([int(pre)], dtype=torch.long),
-        "sekv.span_start": seg.span_start.clone(),
-        "sekv.span_end": seg.span_end.clone(),
-        "sekv.full_idx": seg.full_idx.clone(),
-        "sekv.anchor_idx": seg.anchor_idx.clone(),
-    }
-    if params.coded:
-        kcfg, vcfg = codec_configs(params)
-        out[codec.CONFIG] = codec.config_tensor(**kcfg)
-        if vcfg != kcfg:
-            out[codec.config_name("fv")] = codec.config_tensor(**vcfg)
-    if pre:
-        out["sekv.rope_inv_freq"] = inv
-        out["sekv.rope_scaling"] = torch.tensor([shape.rope_attention_scaling], dtype=torch.float32)
-    out["sekv.router.tau"] = torch.full((L, H), params.tau or router.TAU_DEFAULT, dtype=torch.float32)
-    out["sekv.scout.profile"] = scout.document_profile(prefill, seg.span_start, seg.span_end)
-    if prefill.scores and prefill.scores.get("lex_terms") is not None:  # the scout's lexical evidence (4 bytes a token)
-        out["sekv.lex.terms"] = prefill.scores["lex_terms"].to(torch.int32).cpu()
+def _window_tensors(prefill: PrefillResult, params: SekvParams, seg: Segmentation) -> dict[str, torch.Tensor]:
+    """A window's scout profiles: its spans' and zoom blocks' attention from its last queries (sekv/scout.py)."""
+    out = {"scout.profile": scout.document_profile(prefill, seg.span_start, seg.span_end)}
     unit = max(0, params.zoom_unit)
     if unit > 0 and seg.n_spans:  # the profile of the zoom blocks the pack is made for (another unit at ask time: the span's)
         _, b0, b1 = zoom_blocks(seg.span_start, seg.span_end, unit)
-        out["sekv.scout.profile_blocks"] = scout.document_profile(prefill, b0, b1)
-        out["sekv.scout.profile_unit"] = torch.tensor([unit], dtype=torch.long)
-    if trained is not None:  # its W stays in the file: router.load reads it from there, found by this sha256
-        out["sekv.router.ttau"] = trained.tau.float()
-        out["sekv.router.sha256"] = layout.sha256_tensor(router_file.file_sha256(trained.path))
+        out["scout.profile_blocks"] = scout.document_profile(prefill, b0, b1)
     return out
 
 
 def _layer_tensors(prefill: PrefillResult, params: SekvParams, li: int, pos, sid, weights, full_idx, span_len, cos_sin, trained) -> dict[str, torch.Tensor]:
-    """One layer's full-resolution tokens, coarse entries, untrained router and key / value factors."""
-    L, d, S = prefill.shape.n_layers, prefill.shape.head_dim, int(span_len.numel())
+    """One layer's full-resolution tokens, coarse entries, key moments (for the router) and key / value factors."""
+    L = prefill.shape.n_layers
     sdt = layout.store_dtype(params, prefill.keys[0].dtype)
     k, v = prefill.keys[li], prefill.values[li]
-    out = {f"sekv.full.k.{li}": k[:, full_idx].to(sdt).contiguous(), f"sekv.full.v.{li}": v[:, full_idx].to(sdt).contiguous()}
-    kbar = weighted_means(k, pos, sid, weights, S)
-    out[f"sekv.coarse.k.{li}"] = kbar.to(sdt)
-    out[f"sekv.coarse.v.{li}"] = weighted_means(v, pos, sid, weights, S).to(sdt)
-    w = router.pca_init(k, params.d_r, kbar)
-    out[f"sekv.router.w.{li}"] = w.to(sdt)  # cast to the model's dtype at open
-    out[f"sekv.router.norm.{li}"] = router.span_norms(w, kbar.to(sdt))
+    out = {f"full.k.{li}": k[:, full_idx].to(sdt).contiguous(), f"full.v.{li}": v[:, full_idx].to(sdt).contiguous()}
+    kbar = weighted_means(k, pos, sid, weights, int(span_len.numel()))
+    out[f"coarse.k.{li}"] = kbar  # float32: the router's PCA scale is read off it (sekv/merge.py)
+    out[f"coarse.v.{li}"] = weighted_means(v, pos, sid, weights, int(span_len.numel())).to(sdt)
+    out[f"moment.{li}"] = router.second_moment(k)
+    if span_len.numel() == 0:
+        out[f"keys.{li}"] = k.float()  # no span to scale the router on: the keys themselves (router.pca_init)
     kx = k[:, pos].float()
     if cos_sin is not None:
         kx = rope.undo(kx, *cos_sin)
@@ -145,13 +153,9 @@ def _layer_tensors(prefill: PrefillResult, params: SekvParams, li: int, pos, sid
     if trained is not None:  # the trained rank gate G chooses each block's components (sekv/rank_gate.py)
         depth = li / max(L - 1, 1)
         keep_k = trained.gate.keep(kbar.float(), span_len, False, depth)
-        keep_v = trained.gate.keep(out[f"sekv.coarse.v.{li}"].float(), span_len, True, depth)
+        keep_v = trained.gate.keep(out[f"coarse.v.{li}"].float(), span_len, True, depth)
     fk = fz.factorize(kx, span_len, energy=params.energy_k, keep=keep_k, **opts)
     fv = fz.factorize(v[:, pos].float(), span_len, energy=params.energy_v, keep=keep_v, **opts)
-    kcfg, vcfg = codec_configs(params)
-    for f, kind, cfg in ((fk, "fk", kcfg), (fv, "fv", vcfg)):
-        if params.coded:  # at rest 4-bit (values: value_bits); decoded to int8 at open (layout.read_factors)
-            out.update({f"sekv.{kind}.{li}.{n}": t for n, t in codec.encode_factors(f, span_len, d, **cfg).items()})
-        else:
-            out.update(f.tensors(f"sekv.{kind}.{li}"))
+    out.update(fk.tensors(f"fk.{li}"))
+    out.update(fv.tensors(f"fv.{li}"))
     return out

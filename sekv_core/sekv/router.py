@@ -56,9 +56,21 @@ class Router:
 
 def pca_init(keys: torch.Tensor, d_r: int = D_R, kbar: torch.Tensor | None = None) -> torch.Tensor:
     """keys [Hkv, N, d] (post-RoPE) -> W [Hkv, d_r, d]: top principal directions, scaled (see module doc)."""
+    ref = kbar if kbar is not None and kbar.shape[1] > 0 else keys
+    return pca_from_moment(second_moment(keys), keys.shape[1], d_r, ref)
+
+
+def second_moment(keys: torch.Tensor) -> torch.Tensor:
+    """sum_t k_t k_t^T per KV head: keys [Hkv, N, d] -> [Hkv, d, d] float64 (summable over a document's windows)."""
     k = keys.float()
-    hkv, n, d = k.shape
-    m = (k.transpose(1, 2) @ k).double() / max(n, 1)  # [Hkv, d, d]
+    return (k.transpose(1, 2) @ k).double()
+
+
+def pca_from_moment(moment: torch.Tensor, n: int, d_r: int, ref: torch.Tensor) -> torch.Tensor:
+    """W [Hkv, d_r, d] from the keys' summed second moment [Hkv, d, d] over n keys; ref [Hkv, S, d]: the span
+    means (or the keys) whose median projection sets the scale."""
+    hkv, d = moment.shape[0], moment.shape[-1]
+    m = moment / max(n, 1)
     r = min(d_r, d)
     if m.is_cuda and r < d:  # cuSOLVER loops a d x d eigh over the batch; the leading r by subspace iteration
         from .linalg import top_eigh
@@ -69,7 +81,6 @@ def pca_init(keys: torch.Tensor, d_r: int = D_R, kbar: torch.Tensor | None = Non
         w = evecs.flip(-1)[..., :r].transpose(1, 2).float()  # [Hkv, r, d], orthonormal rows
     if r < d_r:
         w = torch.cat([w, w.new_zeros(hkv, d_r - r, d)], 1)
-    ref = kbar if kbar is not None and kbar.shape[1] > 0 else k
     proj = (ref.float() @ w.transpose(1, 2)).norm(dim=-1)  # [Hkv, S]
     c = math.sqrt(d_r / d) * proj.median(dim=1).values.clamp_min(1e-6)
     return w * c.view(-1, 1, 1)
