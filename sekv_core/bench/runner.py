@@ -442,7 +442,9 @@ def _windowed_prefills(lm: models.LoadedModel, ctx: tasks.Context, ids: list[int
         obs = max(obs, _obs_window(method, method.resolve_params(variant.params(b))))
     doc = Document(None, ctx.task, "txt", ctx.document, "", (PageSpan(1, 0, len(ctx.document)),))
     _, _, header_len = ingest._tokenize(lm, doc)
-    plan = ingest.plan_windows(lm, doc, len(ids), methods.get(variants.parse(next(iter(pairs))[0]).method), header_len)
+    taking = [methods.get(variants.parse(m).method) for m, _ in pairs]
+    planner = next((m for m in taking if m.length_policy == "windowed"), taking[0])
+    plan = ingest.plan_windows(lm, doc, len(ids), planner, header_len)
     text = prompt.document_prefix(lm.tokenizer, ctx.document)
     shared = prefill_scores.text_scores(lm.tokenizer, text, ids, needs)
     out = []
