@@ -17,7 +17,7 @@ from .common import DeviceOpt, ModelOpt, user_errors
 from .display import err
 
 TASK_HELP = (
-    "niah, mk_niah, mv_niah, vt, cwe, qa; `ruler` = mk_niah,mv_niah,vt,cwe; `all`; comma-separated. "
+    "niah, mk_niah, mn_niah, mv_niah, vt, cwe, qa; `ruler` = mk_niah,mv_niah,vt,cwe; `all`; comma-separated. "
     "`report` re-writes summary.md and the plots of the directory given next (or --out)"
 )
 
@@ -125,7 +125,7 @@ def bench(
                                   "no-svd, fixed-chunks, no-anchors, mean-pool, global-tau, untrained-router, per-layer-routing, 8bit-factors"),
     budgets: str = typer.Option("0.05,0.1,0.2", "--budgets", help="resident KV fractions for methods with a `budget` parameter"),
     lengths: str = typer.Option("4K,8K", "--lengths", help="context lengths in model tokens of the document prefix (4096 or 4K)"),
-    depths: str = typer.Option("0,25,50,75,100", "--depths", help="needle depths in percent (niah, mk_niah)"),
+    depths: str = typer.Option("0,25,50,75,100", "--depths", help="needle depths in percent (niah, mk_niah, mn_niah)"),
     out: Path = typer.Option(Path("bench_results"), "--out", "-o", help="results directory: results.jsonl, summary.md, PNGs"),
     model: str = ModelOpt,
     seed: int = typer.Option(0, "--seed", help="task generation seed"),

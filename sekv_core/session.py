@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import contextlib
 
-from . import methods, models, prompt
+from . import methods, models, prompt, reach
 from .errors import PackError, SekvError
 from .generate import DecodeStats, TextStream, generate
 from .methods.base import KVMemory, ModelShape
@@ -30,7 +30,10 @@ class Session:
 
     def __init__(self, pack: Pack, lm: models.LoadedModel, method: str, params: Params, memory: KVMemory, load_s: float):
         self.pack, self.lm, self.method, self.params, self.memory, self.load_s = pack, lm, method, params, memory, load_s
-        self.base_tokens = memory.n_tokens()
+        self.base_tokens = memory.n_tokens()  # the document's tokens
+        self.start = self.base_tokens  # the question's position (re-positioned memories: set per ask)
+        #: the positions the model addresses: its window, or what the pack's RoPE scaling covers (sekv_core/reach.py)
+        self.window = reach.effective_window(pack.manifest.get("model"), models.context_window(lm.config))
         self.stop_ids = prompt.stop_token_ids(lm.tokenizer, getattr(lm.model, "generation_config", None))
         self.compile_layers = False  # on CUDA, decode steps' decoder layers torch.compile'd (sekv_core/graphed_step.py)
 
@@ -58,6 +61,7 @@ class Session:
         if pack.token_ids and max(pack.token_ids) >= vocab:
             raise PackError(f"{pack.path}: the pack's token ids exceed the model's vocabulary of {vocab}; re-ingest the document")
         method, params = resolve_method(pack, method, params)
+        reach.check(method, pack.n_tokens(), reach.effective_window(pack.manifest.get("model"), models.context_window(lm.config)), lm.model_id)
         check_pack_tensors(pack, shape)
         with loading(pack, "open"):
             memory = methods.get(method).open(pack, params, shape, next(lm.model.parameters()).device)
@@ -78,13 +82,13 @@ class Session:
             raise SekvError("the question is empty")
         suffix = prompt.question_suffix(self.lm.tokenizer, question, history, self.pack.manifest.get("system"))
         q_ids = prompt.encode(self.lm.tokenizer, suffix)
-        window = models.context_window(self.lm.config)
-        if window and self.base_tokens + len(q_ids) + max_new_tokens > window:
+        window, reserve = self.window, len(q_ids) + max_new_tokens
+        self.start = start_ask(self.memory, self.start, window, reserve)
+        if window and self.start + reserve > window:
             raise SekvError(
                 f"document ({self.base_tokens}) + question ({len(q_ids)}) + --max-new-tokens ({max_new_tokens}) tokens "
                 f"exceed the model's context window of {window}; ask a shorter question or lower --max-new-tokens"
             )
-        self.memory.truncate(self.base_tokens)
         stream = TextStream(self.lm.tokenizer, on_text) if on_text else None
         try:
             ids, stats = generate(
@@ -93,10 +97,20 @@ class Session:
                 sampler=Sampler(sampling) if sampling is not None and not sampling.greedy else None,
             )
         finally:
-            self.memory.truncate(self.base_tokens)
+            self.memory.truncate(self.start)
         stats.extra = self.memory.step_stats().extra
         text = self.lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
         return Answer(text, ids, stats)
+
+
+def start_ask(memory: KVMemory, start: int, window: int, reserve: int) -> int:
+    """Back to the document's state (appended tokens dropped: ``start`` is where they began) before an ask that
+    appends up to ``reserve`` tokens; a memory past the window lays itself out inside it (KVMemory.place_in_window).
+    -> the position of the ask's first token."""
+    memory.truncate(start)
+    if window and reserve < window:
+        memory.place_in_window(window, reserve)
+    return memory.n_tokens()
 
 
 def resolve_method(pack: Pack, method: str | None, params: dict[str, Any] | None) -> tuple[str, Params]:

@@ -30,12 +30,14 @@ from typing import Any, Iterable
 
 import torch
 
-from .. import __version__, methods, models, prompt
+from .. import __version__, ingest, methods, models, prompt, reach
 from ..errors import SekvError
 from ..generate import generate
 from ..methods import scores as prefill_scores
 from ..methods.base import DictStore, ModelShape
-from ..prefill import prefill
+from ..documents import Document, PageSpan
+from ..prefill import prefill, prefill_window
+from ..session import start_ask
 from . import scoring, tasks, variants
 
 RESULTS_FILE = "results.jsonl"
@@ -245,19 +247,23 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
     q_ids: dict[int, list[list[int]]] = {}
     for ci, ctx in enumerate(contexts):
         q_ids[ci] = [prompt.encode(tok, prompt.question_suffix(tok, p.question)) for p in ctx.probes]
-        longest = max(len(q) + _max_new(cfg, p) for q, p in zip(q_ids[ci], ctx.probes))
-        if window and ctx.n_tokens + longest > window:
-            raise SekvError(
-                f"{ctx.task} at {ctx.length} tokens + question and answer ({longest} tokens) exceeds "
-                f"{lm.model_id}'s context window of {window}; use shorter --lengths"
-            )
-
     outcome = Outcome()
     pending_by_ctx: list[list[tuple[int, str, float | None]]] = []
-    for ctx in contexts:
+    for ci, ctx in enumerate(contexts):
         pend = []
+        longest = max(len(q) + _max_new(cfg, p) for q, p in zip(q_ids[ci], ctx.probes))
+        # past the window only methods that re-position (sekv) can read a context (sekv_core/reach.py)
+        readable = [(m, b) for m, b in grid if _reaches(m, ctx.n_tokens + longest, window)]
+        if not readable:
+            raise SekvError(
+                f"{ctx.task} at {ctx.length} tokens + question and answer ({longest} tokens) exceeds "
+                f"{lm.model_id}'s context window of {window}; use shorter --lengths or --methods sekv"
+            )
+        if len(readable) < len(grid):
+            left = sorted({m for m, _ in grid} - {m for m, _ in readable})
+            reporter.warn(f"{ctx.task} at {ctx.length} tokens: past {lm.model_id}'s window of {window}; not run for {', '.join(left)}")
         for pi, p in enumerate(ctx.probes):
-            for m, b in grid:
+            for m, b in readable:
                 outcome.cells += 1
                 if cell_key(ctx.task, p.item, ctx.length, ctx.depth, ctx.seed, m, b, lm.model_id) in done:
                     outcome.skipped += 1
@@ -276,7 +282,11 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
         need_s = any(methods.get(variants.parse(m).method).needs_surprisal for m, _ in pend_methods)
         reporter.stage(f"prefill {ids.numel()} tokens")
         t0 = time.perf_counter()
-        pre, prefill_with = _prefill_for(model, tok, ids, doc_text, need_s, pend_methods)
+        past = window and ctx.n_tokens + max(len(q) + _max_new(cfg, p) for q, p in zip(q_ids[ci], ctx.probes)) > window
+        if past:  # only windowed methods are pending: the document prefilled in windows, as `sekv ingest` does
+            pre, prefill_with = _windowed_prefills(lm, ctx, ids.tolist(), need_s, pend_methods, window)
+        else:
+            pre, prefill_with = _prefill_for(model, tok, ids, doc_text, need_s, pend_methods)
         prefill_s = time.perf_counter() - t0
         outcome.prefills += 1
         stamp = _fingerprint(pre)
@@ -302,7 +312,11 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
                 reporter.stage(f"{label}: compress")
                 torch.manual_seed(cfg.seed)
                 t1 = time.perf_counter()
-                tensors = {k: v.cpu() for k, v in method.compress(_view_for(pre, method, params), params).items()}
+                if past:
+                    made = method.compress_windows(iter([_view_for(w, method, params) for w in pre]), params)
+                else:
+                    made = method.compress(_view_for(pre, method, params), params)
+                tensors = {k: v.cpu() for k, v in made.items()}
                 compress_s = time.perf_counter() - t1
                 if _fingerprint(pre) != stamp:  # every later method would see corrupted K/V
                     raise SharedPrefillModified(f"method '{m}' changed the prefill's K/V in place in compress(); the benchmark shares one "
@@ -310,7 +324,7 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
                 t2 = time.perf_counter()
                 memory = method.open(DictStore(tensors), params, shape, device)
                 open_s = time.perf_counter() - t2
-                base = memory.n_tokens()
+                start = memory.n_tokens()
             except SharedPrefillModified:
                 raise
             except Exception as e:  # a broken method must not stop the sweep; the cells are retried next run
@@ -327,11 +341,11 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
                 rec = {**base_rec, "item": probe.item, "params": params.to_dict()}
                 try:
                     reporter.stage(f"{label}: answer")
-                    memory.truncate(base)
+                    start = start_ask(memory, start, window, len(q_ids[ci][pi]) + _max_new(cfg, probe))
                     load = _load_avg()
                     ans_ids, stats = generate(model, memory, q_ids[ci][pi], max_new_tokens=_max_new(cfg, probe), stop_ids=stop_ids, question=probe.question)
                     extra = memory.step_stats().extra
-                    memory.truncate(base)
+                    memory.truncate(start)
                 except Exception as e:
                     msg = f"{label} on {ctx.task}/{ctx.length}/{ctx.depth}: {type(e).__name__}: {e}"
                     outcome.errors.append(msg)
@@ -378,7 +392,9 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
 
 
 def _fingerprint(pre) -> float:
-    """A cheap checksum of the prefill's K/V (to catch a compress() that writes into them)."""
+    """A cheap checksum of the prefill's K/V (to catch a compress() that writes into them); a list: every window's."""
+    if isinstance(pre, list):
+        return sum(_fingerprint(w) for w in pre)
     return float(sum(torch.nan_to_num(t.float()).abs().sum(dtype=torch.float64) for t in (*pre.keys, *pre.values)))
 
 
@@ -414,6 +430,31 @@ def _prefill_for(model, tok, ids: torch.Tensor, text: str, with_surprisal: bool,
     return pre, (["surprisal"] if with_surprisal else []) + sorted(needs)
 
 
+def _windowed_prefills(lm: models.LoadedModel, ctx: tasks.Context, ids: list[int], with_surprisal: bool, pairs, window: int):
+    """A context past the model's window, prefilled in windows as `sekv ingest` plans them (sekv_core/windows.py),
+    each window's statistics the union of what the pending methods need: (the windows' prefills, what they computed)."""
+    needs: set[str] = set()
+    obs = 0
+    for m, b in pairs:
+        variant = variants.parse(m)
+        method = methods.get(variant.method)
+        needs.update(_needs_scores(method))
+        obs = max(obs, _obs_window(method, method.resolve_params(variant.params(b))))
+    doc = Document(None, ctx.task, "txt", ctx.document, "", (PageSpan(1, 0, len(ctx.document)),))
+    _, _, header_len = ingest._tokenize(lm, doc)
+    taking = [methods.get(variants.parse(m).method) for m, _ in pairs]
+    planner = next((m for m in taking if m.length_policy == "windowed"), taking[0])
+    plan = ingest.plan_windows(lm, doc, len(ids), planner, header_len)
+    text = prompt.document_prefix(lm.tokenizer, ctx.document)
+    shared = prefill_scores.text_scores(lm.tokenizer, text, ids, needs)
+    out = []
+    for w in plan:
+        r = prefill_window(lm.model, ids, header_len, w, with_surprisal=with_surprisal, capture=prefill_scores.capture_kinds(needs), obs_window=obs or 64)
+        r.scores.update(shared)
+        out.append(r)
+    return out, (["surprisal"] if with_surprisal else []) + sorted(needs) + [f"{len(plan)} windows"]
+
+
 def _view_for(pre, method, params):
     """The prefill as this method's own ingest would have produced it (its observation window)."""
     scores = getattr(pre, "scores", None)
@@ -424,6 +465,14 @@ def _view_for(pre, method, params):
         return pre
     cut = dict(scores, obs_queries=[q[:, q.shape[1] - w :] for q in scores["obs_queries"]], obs_window=w)
     return dataclasses.replace(pre, scores=cut)
+
+
+def _reaches(m: str, n_tokens: int, window: int) -> bool:
+    try:
+        reach.check(variants.parse(m).method, n_tokens, window, "")
+    except SekvError:
+        return False
+    return True
 
 
 def _probe_key(task, item, length, depth, seed, model) -> str:

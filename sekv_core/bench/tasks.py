@@ -6,6 +6,8 @@ that is prefilled once, and one or more :class:`Probe` questions asked of it.
 * ``niah``    needle in a haystack: one passphrase sentence at a depth of an essay haystack.
 * ``mk_niah`` multi-key NIAH: several "special magic number for KEY" needles, one is asked
               (the asked one at the depth, the others at seeded random depths).
+* ``mn_niah`` multi-needle NIAH: four passphrase needles (the first at the depth, the others at seeded random
+              depths), each asked: the share of needles found.
 * ``mv_niah`` multi-value NIAH: one key with several values scattered; all must be returned.
 * ``vt``      variable tracking: a chain VAR A = 12345, VAR B = VAR A, ... hidden in filler
               text (plus one distractor chain); name every variable that holds the number.
@@ -177,11 +179,13 @@ def load_haystack(directory: str | Path | None) -> list[list[str]]:
 
 
 def haystack_sentences(essays: list[list[str]], rng: random.Random, at_least: int) -> list[str]:
-    """Essays in a seeded order, concatenated (and repeated if need be) to at least `at_least` sentences."""
+    """Essays in a seeded order, concatenated to at least `at_least` sentences; past the last essay (the shared
+    haystack holds ~160K tokens) they come again, each pass in a new seeded order, so a 256K-token haystack does
+    not repeat one sequence of essays."""
     order = list(range(len(essays)))
-    rng.shuffle(order)
     out: list[str] = []
     while len(out) < at_least:
+        rng.shuffle(order)
         for i in order:
             out.extend(essays[i])
             if len(out) >= at_least:
@@ -334,6 +338,22 @@ def gen_mk_niah(tokenizer, length: int, depth: float, seed: int, essays: list[li
     return Context("mk_niah", length, depth, seed, text, [probe], n, {"needles": needles, "needle_offsets": offsets, "sentences": k})
 
 
+def gen_mn_niah(tokenizer, length: int, depth: float, seed: int, essays: list[list[str]], n_needles: int = 4) -> Context:
+    """Multi-needle NIAH: n_needles passphrases of different archives, the first at the depth, the others at seeded
+    random depths; each is asked (one probe per needle, item = its archive), so a context scores the share found."""
+    rng = _rng("mn_niah", seed, length, depth)
+    places = rng.sample(PLACES, n_needles)
+    values = [f"{rng.choice(NOUNS)}-{rng.randint(1000, 9999)}" for _ in places]
+    needles = [f"The secret passphrase for the {p} archive is {v}." for p, v in zip(places, values)]
+    depths = [depth / 100.0] + [rng.random() for _ in places[1:]]
+    sents = _enough_sentences(tokenizer, lambda n: haystack_sentences(essays, _rng("hay", seed, length, depth), n), length)
+    text, offsets, k, n = _Fitter(tokenizer, sents, list(zip(depths, needles))).fit(length)
+    probes = [Probe(p, f"What is the secret passphrase for the {p} archive? Answer with the passphrase only.", [v], max_new_tokens=24)
+              for p, v in zip(places, values)]
+    return Context("mn_niah", length, depth, seed, text, probes, n,
+                   {"needles": needles, "needle_offsets": offsets, "needle_depths": [round(100 * d, 1) for d in depths], "sentences": k})
+
+
 def gen_mv_niah(tokenizer, length: int, depth: float | None, seed: int, essays: list[list[str]], n_values: int = 4) -> Context:
     rng = _rng("mv_niah", seed, length)
     key = rng.choice(NOUNS)
@@ -473,12 +493,13 @@ def gen_qa(tokenizer, seed: int, questions: str = "QUESTIONS.md", task: str = "q
 GRID_TASKS: dict[str, Callable[..., Context]] = {
     "niah": gen_niah,
     "mk_niah": gen_mk_niah,
+    "mn_niah": gen_mn_niah,
     "mv_niah": gen_mv_niah,
     "vt": gen_vt,
     "cwe": gen_cwe,
 }
-DEPTH_TASKS = ("niah", "mk_niah")  # tasks whose contexts span the depth grid
-HAYSTACK_TASKS = ("niah", "mk_niah", "mv_niah")
+DEPTH_TASKS = ("niah", "mk_niah", "mn_niah")  # tasks whose contexts span the depth grid
+HAYSTACK_TASKS = ("niah", "mk_niah", "mn_niah", "mv_niah")
 GROUPS = {"ruler": ["mk_niah", "mv_niah", "vt", "cwe"], "all": ["niah", "mk_niah", "mv_niah", "vt", "cwe", "qa"]}
 #: the sample documents' question files: `qa` (the README's and QUESTIONS.md's), `qa_heldout` (questions written
 #: after sekv's scout defaults were chosen on `qa`, to check them on questions they were not tuned on)

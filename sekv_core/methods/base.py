@@ -150,6 +150,12 @@ class KVMemory(ABC):
         model over this memory (a memory may look at them first, then must drop them); question: its text, when
         the caller has it.  Default: nothing."""
 
+    def place_in_window(self, window: int, reserve: int) -> None:
+        """Called before an ask that appends up to ``reserve`` tokens to a model of ``window`` positions: a memory that
+        can lay its document out inside the window (sekv: re-positioned attention, sekv/positions.py) does so when the
+        document and the reserve do not fit; n_tokens() is then the question's position.  Default: nothing (the
+        document must fit: sekv_core/reach.py)."""
+
     def begin_step(self, n_new: int) -> None:
         """Called before each forward of n_new tokens."""
 

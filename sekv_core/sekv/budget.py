@@ -36,6 +36,10 @@ class ZoomLedger:
         self.rate_sum = torch.zeros(L, dtype=torch.float64, device=dev)
         self.h2d_step = torch.zeros((), dtype=torch.long, device=dev)
         self.h2d_total = torch.zeros((), dtype=torch.long, device=dev)
+        #: re-positioned attention (sekv/positions.py): (window, the question's position, whether the window capped
+        #: the zoom below the budget), and the most positions a layer's resident set took this ask
+        self.window: tuple[int, int, bool] | None = None
+        self.positions = torch.zeros((), dtype=torch.long, device=dev)
 
     # -- the cap --------------------------------------------------------------------------------------------
 
@@ -77,11 +81,15 @@ class ZoomLedger:
         self.h2d_step += h2d_bytes
         self.h2d_total += h2d_bytes
 
+    def count_positions(self, n: torch.Tensor) -> None:
+        """A layer's resident set took n [Hkv] positions before the question."""
+        torch.maximum(self.positions, n.max(), out=self.positions)
+
     # -- the ask --------------------------------------------------------------------------------------------
 
     def reset(self) -> None:
         """A new ask (in place: a captured CUDA graph holds these tensors)."""
-        for t in (self.step_spans, self.ask_spans, self.span_counts, self.rate_sum, self.h2d_step, self.h2d_total):
+        for t in (self.step_spans, self.ask_spans, self.span_counts, self.rate_sum, self.h2d_step, self.h2d_total, self.positions):
             t.zero_()
         self.steps = 0
         self.stale = False
@@ -91,7 +99,7 @@ class ZoomLedger:
         counts = self.span_counts.cpu()
         nz = torch.nonzero(counts).flatten()
         rates = [(r / self.steps if self.steps else 0.0) for r in self.rate_sum.tolist()]
-        return {
+        out = {
             "zoom_spans_step": int(self.step_spans.sum()),
             "zoom_spans_total": int(self.ask_spans.sum()),
             "h2d_bytes_step": int(self.h2d_step),
@@ -101,3 +109,8 @@ class ZoomLedger:
             "budget_bytes": int(self.budget_bytes),
             "appended_bytes": int(self.appended_bytes),
         }
+        if self.window is not None:  # re-positioned: where the resident set and the question sat in the window
+            w, p0, capped = self.window
+            out["positions"] = {"window": w, "question_at": p0, "resident_tokens": int(self.positions)}
+            out["window_capped"] = capped
+        return out

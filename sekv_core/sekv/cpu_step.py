@@ -24,6 +24,7 @@ class CpuStep:
         self.res, self.ledger, self.ranking = res, ledger, ranking
         self.cap: int | None = None
         self.held: list[tuple | None] = [None] * res.shape.n_layers  # per layer: (keep, rows K, rows V, slot blocks)
+        self.base: torch.Tensor | None = None  # re-positioned: the last layer's rotated base keys (the scout reads them)
 
     def new_ask(self) -> None:
         self.held = [None] * self.res.shape.n_layers
@@ -41,6 +42,12 @@ class CpuStep:
         r = self.res
         keys, values = r.kv.append(layer, key, value)
         keep, expanded = self._choose(layer, query)
+        slots = None
+        if r.layout is not None:  # re-positioned (sekv/positions.py): the base keys rotated to this kept set's slots
+            base_slots, slots = r.layout.place(keep)
+            self.base = r.base_keys(layer, base_slots)
+            keys = torch.cat([self.base.unsqueeze(0), keys[:, :, r.n_base :]], 2)
+            self.ledger.count_positions(r.layout.tokens(keep))
         slot_span, h2d = None, 0
         if keep.any():
             cached = self.held[layer]
@@ -48,7 +55,7 @@ class CpuStep:
                 rk, rv, slot_span = cached[1:]
             else:
                 self.held[layer] = None  # release the old set before building the new one
-                rk, rv, slot_span, h2d = self._rebuild(layer, keep)
+                rk, rv, slot_span, h2d = self._rebuild(layer, keep, slots)
                 self.held[layer] = (keep, rk, rv, slot_span)
             keys = torch.cat([keys, rk.unsqueeze(0)], 2)
             values = torch.cat([values, rv.unsqueeze(0)], 2)
@@ -70,12 +77,16 @@ class CpuStep:
             return torch.zeros(hkv, B, dtype=torch.bool, device=dev), torch.zeros(H, B, dtype=torch.bool, device=dev)
         if self.ranking is not None and self.ranking.ranks():  # one ranking of zoom blocks for every layer
             cand = torch.ones(H, B, dtype=torch.bool, device=dev)
-            keep = select(self.ranking.prio.view(1, -1).expand(hkv, -1), r.block_cost, cap)
+            prio = self.ranking.prio.view(1, -1).expand(hkv, -1)
+            keep = select(prio, r.block_cost, cap)
         else:  # the layer's gates over whole spans; a kept span is all of its blocks
-            cand, prio = r.gate_priorities(layer, query)
+            lay = r.layout  # re-positioned: the coarse keys at their slots with nothing zoomed
+            cand, prio = r.gate_priorities(layer, query, None if lay is None else r.base_keys(layer, lay.place(torch.zeros(hkv, B, dtype=torch.bool, device=dev))[0]))
             keep = select(prio, r.cost, cap)
             if not r.whole_spans:
-                cand, keep = cand[:, r.block_span_dev], keep[:, r.block_span_dev]
+                cand, keep, prio = cand[:, r.block_span_dev], keep[:, r.block_span_dev], prio[:, r.block_span_dev]
+        if r.layout is not None:  # the window is the cap
+            keep = r.layout.cap(keep, prio)
         expanded = keep.unsqueeze(1).expand(hkv, H // hkv, B).reshape(H, B)
         if r.head_masks:  # SPEC §2.6: each head sees the tokens only of spans it wanted itself
             expanded = expanded & cand
@@ -87,9 +98,9 @@ class CpuStep:
         f, lay = r.factors[layer]
         return fz.gather(f, lay, r.span_len, g, r.block_span[b], r.shape.head_dim, row0=r.block_off[b], rows=r.block_len[b])
 
-    def _rebuild(self, layer: int, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def _rebuild(self, layer: int, keep: torch.Tensor, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """Fetch + rebuild the kept (group, block) pairs -> rows K / V [Hkv, U, d], slot block ids [Hkv, U], bytes
-        moved to the compute device."""
+        moved to the compute device.  slots [Hkv, B]: each block's first position where they are re-positioned."""
         r = self.res
         d, hkv = r.shape.head_dim, r.shape.n_kv_heads
         g, i = torch.nonzero(keep.cpu(), as_tuple=True)  # sorted by group, then block
@@ -98,7 +109,7 @@ class CpuStep:
         rows = fz.expand(dev, d, torch.float32)  # [2E, n_max, d]
         e = g.numel()
         idev = i.to(r.device)
-        rows[:e] = self._rotate(rows[:e], r.block_start_dev[idev])
+        rows[:e] = self._rotate(rows[:e], r.block_start_dev[idev] if slots is None else slots[g.to(r.device), idev])
         out, blk, _ = place(rows.to(r.shape.dtype), g2.to(r.device), r.block_len_dev[i2.to(r.device)], 2 * hkv)
         slot_span = torch.where(blk[:hkv] >= 0, idev[blk[:hkv].clamp_min(0)], torch.full_like(blk[:hkv], -1))
         return out[:hkv], out[hkv:], slot_span, dev.nbytes()
@@ -124,12 +135,13 @@ class CpuStep:
         d, hkv = r.shape.head_dim, r.shape.n_kv_heads
         per_block = hkv * int(r.block_len.max()) * d * 4
         chunk = max(1, int((self.cap or per_block) // per_block))
+        start = r.block_start_dev if r.layout is None else r.layout.scout_positions()
         lse, grp, sid = [], [], []
         for a in range(0, r.n_blocks, chunk):
             b = torch.arange(a, min(a + chunk, r.n_blocks)).repeat(hkv)
             g = torch.arange(hkv).repeat_interleave(b.numel() // hkv)
             gd, bd = g.to(r.device), b.to(r.device)
-            rows = self._rotate(fz.expand(self._fetch(layer, g, b).to(r.device), d, torch.float32), r.block_start_dev[bd])
+            rows = self._rotate(fz.expand(self._fetch(layer, g, b).to(r.device), d, torch.float32), start[bd])
             lse.append(scout.span_logsumexp(q, rows, r.block_len_dev[bd], gd, scaling))
             grp.append(gd)
             sid.append(bd)

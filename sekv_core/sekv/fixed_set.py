@@ -56,6 +56,8 @@ class FixedSets:
         self.n = [torch.zeros(self.hkv, dtype=torch.long, device=dev) for _ in range(L)]
         self.filled_for = [None] * L
         self.mask = [None] * L
+        #: re-positioned: each layer's base entries' slots under its set
+        self.base_slots = [torch.zeros(self.hkv, r.n_base, dtype=torch.long, device=dev) for _ in range(L)]
 
     def mask_bytes(self, cap: int, rows: int) -> int:
         """The masks: one column per resident entry (capacity cap) and per annex row, every head, every layer."""
@@ -121,7 +123,7 @@ class FixedSets:
         pg = min(nb, ug // max(1, self.min_block) + 1)
         top, idx = torch.topk(prio, pg, dim=1, sorted=True)  # [Hkv, pg] blocks, the same for every group
         n = r.block_len_dev[idx]
-        ok = torch.cumprod((torch.cumsum(n, 1) <= ug).to(torch.int8), 1).bool()
+        ok = torch.cumprod((torch.cumsum(n, 1) <= (ug if r.layout is None else min(ug, r.layout.room))).to(torch.int8), 1).bool()
         grp = torch.arange(hkv, device=dev).view(-1, 1)
         b = self.blocks[layer]
         # a span's factor block is fetched once, by its first kept block; its other blocks read those rows (first
@@ -140,10 +142,17 @@ class FixedSets:
         slot_ok = (t < ends[:, -1:]).view(-1, 1)
         blk = idx.gather(1, p_of)  # row t of group g <- block blk, its row j_of, from the pair that fetched its span
         src = torch.where(slot_ok.view(hkv, ug), (grp * pg + first.gather(1, p_of)) * b.n_max + r.block_off_dev[blk] + j_of, torch.zeros_like(t)).flatten()
-        krows = r.rotate(rec[:, 0].reshape(-1, d).index_select(0, src), (r.block_start_dev[blk] + j_of).flatten())
+        keep = torch.zeros(hkv, nb, dtype=torch.bool, device=dev).scatter_(1, idx, ok)
+        if r.layout is None:
+            start = r.block_start_dev[blk]
+        else:  # re-positioned (sekv/positions.py): the set's slots, fixed while it is
+            base_slots, slots = r.layout.place(keep)
+            self.base_slots[layer].copy_(base_slots)
+            self.ledger.count_positions(r.layout.tokens(keep))
+            start = slots.gather(1, blk)
+        krows = r.rotate(rec[:, 0].reshape(-1, d).index_select(0, src), (start + j_of).flatten())
         ak[0].copy_(krows.masked_fill(~slot_ok, 0).view(hkv, ug, d))
         av[0].copy_(rec[:, 1].reshape(-1, d).index_select(0, src).masked_fill(~slot_ok, 0).view(hkv, ug, d))
-        keep = torch.zeros(hkv, nb, dtype=torch.bool, device=dev).scatter_(1, idx, ok)
         self.keep[layer].copy_(keep)
         self.n[layer].copy_(ends[:, -1])
         return keep, words
@@ -170,6 +179,9 @@ class FixedSets:
             mk[:, cap:] = torch.where(rows, 0.0, float("-inf"))
             self.mask[layer].copy_(mk.view(1, h, 1, -1))
         mask = self.mask[layer]
+        if r.layout is not None:  # the base entries rotated to the set's slots (a copy: the buffer keeps them de-rotated)
+            jk = jk.clone()
+            jk[0, :, : r.n_base] = r.base_keys(layer, self.base_slots[layer])
         if torch.is_tensor(lim):  # one new token at lim - 1 (a device scalar: graphs)
             if not fresh:
                 mask.index_fill_(-1, (lim - 1).view(1), 0.0)

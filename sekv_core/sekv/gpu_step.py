@@ -57,6 +57,7 @@ class BatchedStep:
         self.head_group = torch.arange(sh.n_heads, device=res.device) // (sh.n_heads // self.hkv)
         self.fixed = FixedSets(res, ledger, ranking, self.blocks, self.head_group) if ranking is not None else None
         self.g_len = torch.zeros((), dtype=torch.long, device=res.device)  # static steps: the visible length
+        self.base: torch.Tensor | None = None  # re-positioned: the last routed layer's rotated base keys (the scout reads them)
 
     def new_ask(self) -> None:
         if self.fixed is not None:
@@ -143,6 +144,8 @@ class BatchedStep:
         h, s, d, dev = query.shape[1], self.res.n_spans, self.d, query.device
         if self.U <= 0:
             expanded = torch.zeros(h, s, dtype=torch.bool, device=dev)
+            if self.res.layout is not None:
+                keys, _ = self._placed(layer, keys, torch.zeros(self.hkv, self.res.n_blocks, dtype=torch.bool, device=dev))
             empty = keys.new_zeros(0, d)
             return flat_attention(query, keys, values, resident_mask(expanded), empty, empty, torch.zeros(h, 0, dtype=torch.bool, device=dev), scaling)
         fixed = self.fixed_key()
@@ -154,10 +157,15 @@ class BatchedStep:
         """Per-layer routing (the router's gates for this forward's queries) into the flat slots."""
         r = self.res
         h, hkv, s, d, u, dev = query.shape[1], self.hkv, r.n_spans, self.d, self.U, query.device
-        cand, prio = r.gate_priorities(layer, query)
+        lay = r.layout  # re-positioned (sekv/positions.py): the gates read the coarse keys at their slots with nothing zoomed
+        cand, prio = r.gate_priorities(layer, query, None if lay is None else r.base_keys(layer, lay.place(torch.zeros(hkv, r.n_blocks, dtype=torch.bool, device=dev))[0]))
         pair, ok = select_topk(prio, r.span_len_dev, u, self.P)
         g, i = pair // s, pair % s
         keep = torch.zeros(hkv * s, dtype=torch.bool, device=dev).index_put_((pair,), ok).view(hkv, s)
+        if lay is not None:  # the window is the cap; then every key goes to its slot
+            keep = lay.cap(keep, prio, r.span_len_dev)
+            ok = ok & keep.view(-1)[pair]
+            keys, slots = self._placed(layer, keys, keep if r.whole_spans else keep[:, r.block_span_dev])
         expanded = keep.repeat_interleave(h // hkv, 0)
         if r.head_masks:
             expanded = expanded & cand
@@ -176,7 +184,11 @@ class BatchedStep:
         j_of = t - (ends - n_ok)[p_of]  # slot -> row within its span
         slot_ok = t < ends[-1]
         src = torch.where(slot_ok, p_of * b.n_max + j_of, torch.zeros_like(t))
-        krows = r.rotate(rec[:, 0].reshape(-1, d).index_select(0, src), r.span_start_dev[i][p_of] + j_of)
+        if lay is None:
+            first = r.span_start_dev[i][p_of]
+        else:  # a kept span's tokens are consecutive from its first block's slot
+            first = slots[g[p_of], lay.span_first_block.to(dev)[i[p_of]]]
+        krows = r.rotate(rec[:, 0].reshape(-1, d).index_select(0, src), first + j_of)
         empty_slot = ~slot_ok.view(-1, 1)  # their rows come from an unfetched block: any bits, so select zeros
         if self.fixed is not None:  # a per-layer-routed forward of a fixed-set memory (the scout pass): workspace rows
             rk = krows.to(r.shape.dtype).masked_fill(empty_slot, 0)
@@ -195,6 +207,17 @@ class BatchedStep:
         self.ledger.count(layer, keep, expanded, words * 8)
         return out
 
+    def _placed(self, layer: int, keys: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Re-positioned: keys [1, Hkv, T, d] with the base entries rotated to the slots of the kept blocks keep
+        [Hkv, B] (a copy: the buffer keeps them de-rotated), and each block's first slot [Hkv, B]."""
+        r = self.res
+        base_slots, slots = r.layout.place(keep)
+        self.base = r.base_keys(layer, base_slots)
+        out = keys.clone()
+        out[0, :, : r.n_base] = self.base
+        self.ledger.count_positions(r.layout.tokens(keep))
+        return out, slots
+
     # -- static single-token steps (sekv_core/graphed_step.py) ------------------------------------------------
 
     def static_begin(self) -> None:
@@ -208,7 +231,8 @@ class BatchedStep:
         """What a captured step fixed: the slot buffers, the slot count, fixed set or per-layer routing and, per
         layer, whether its set is reused."""
         reuse = tuple(self.fixed.reusable_layers(self.fixed_key())) if self.fixed is not None else ()
-        return (self.U, tuple(t.data_ptr() for t in self.rk), self.fixed_key() is not None) + reuse
+        p0 = None if self.res.layout is None else self.res.layout.p0  # re-positioned: the layout's constants
+        return (self.U, tuple(t.data_ptr() for t in self.rk), self.fixed_key() is not None, p0) + reuse
 
     def _length_mask(self, h: int, t: int):
         """resident_mask over a whole buffer of capacity t: entries at or past g_len hidden (a device scalar)."""
@@ -234,6 +258,11 @@ class BatchedStep:
         per_pair = 4 * b.n_max * max(b.d, q.shape[1], 2 * b.r_max)
         chunk = max(self.P, 64, SCOUT_CHUNK_BYTES // max(per_pair, 1))
         first, counts, per_span, row_block = self._span_blocks()
+        if r.layout is not None:  # re-positioned: each block where it would sit were it the only one zoomed
+            blk = first.view(-1, 1) + row_block.clamp_min(0)  # [S, n_max]
+            start = r.layout.scout_positions()[blk] - r.block_off_dev[blk]
+            row_pos = start + torch.arange(row_block.shape[1], device=r.device).view(1, -1)  # [S, n_max]
+            row_pos = torch.where(row_block >= 0, row_pos, 0)  # rows past a span's end: masked, any position
         lse, grp, sid = [], [], []
         for a in range(0, n_pairs, chunk):
             pair = torch.arange(a, min(a + chunk, n_pairs), device=r.device)
@@ -241,7 +270,10 @@ class BatchedStep:
             us, vt = fb.unpack(b, rows, torch.float32)
             g, i = pair // S, pair % S
             keys = torch.matmul(us[:, 0], vt[:, 0])  # [P, n_max, d]; rows past n_i are masked
-            keys = r.rotate(keys, r.span_start_dev[i].view(-1, 1) + torch.arange(keys.shape[1], device=r.device).view(1, -1))
+            if r.layout is None:
+                keys = r.rotate(keys, r.span_start_dev[i].view(-1, 1) + torch.arange(keys.shape[1], device=r.device).view(1, -1))
+            else:
+                keys = r.rotate(keys, row_pos[i, : keys.shape[1]])
             if r.whole_spans:
                 lse.append(scout.span_logsumexp(q, keys, r.span_len_dev[i], g, scaling))
                 grp.append(g)

@@ -47,12 +47,40 @@ class ZoomMemory(KVMemory):
 
     # -- KVMemory -------------------------------------------------------------------------------------------
 
+    def _start(self) -> int:
+        """The position of the first appended token: the document's length, or the question's slot where the
+        resident set is re-positioned (sekv/positions.py)."""
+        return self.res.n_doc if self.res.layout is None else self.res.layout.p0
+
     def n_tokens(self) -> int:
-        return self.res.n_doc + self.res.kv.len[-1] - self.res.n_base
+        return self._start() + self.res.kv.len[-1] - self.res.n_base
 
     def truncate(self, n_tokens: int) -> None:
-        self.res.kv.truncate(self.res.n_base + max(0, n_tokens - self.res.n_doc))
+        self.res.kv.truncate(self.res.n_base + max(0, n_tokens - self._start()))
         self.ledger.stale = True  # this ask's stats stay readable until the next forward starts
+
+    def full_bytes(self) -> int:
+        return (self.res.n_doc + self.res.kv.len[-1] - self.res.n_base) * self.shape.kv_bytes_per_token()
+
+    def place_in_window(self, window: int, reserve: int) -> None:
+        """Past the window (the document + ``reserve`` appended tokens > ``window`` positions), and from then on:
+        re-positioned attention with the question at window - reserve (sekv/positions.py).  Drops appended tokens."""
+        if window and (self.res.layout is not None or self.res.n_doc + reserve > window):
+            self.question_at(max(0, window - reserve), window)
+
+    def question_at(self, p0: int, window: int = 0) -> None:
+        """Re-positioned attention with the question at position p0 (the resident set right before it)."""
+        r = self.res
+        self.truncate(0)
+        r.reposition()
+        r.layout.set_question_at(p0)
+        cap = self.ledger.layer_cap()
+        span_tokens = int(r.span_len.sum())
+        allowed = 0 if self.params.zoom == "none" else span_tokens if cap is None else min(span_tokens, cap // (r.shape.n_kv_heads * r.entry_bytes))
+        self.ledger.window = (int(window or p0), r.layout.p0, allowed > r.layout.room)
+        self.ledger.stale = True
+        if self.step is not None:
+            self.step.new_ask()
 
     def resident_bytes(self) -> int:
         return self.res.kv.nbytes() + self.res.router_bytes + (self.step.resident_bytes() if self.step is not None else 0)
@@ -108,7 +136,8 @@ class ZoomMemory(KVMemory):
     def _scout_layer(self, layer: int, query: torch.Tensor, scaling: float) -> None:
         hkv, d = self.shape.n_kv_heads, self.shape.head_dim
         q = query[0].float().reshape(hkv, -1, d)  # [Hkv, G*T, d]: a group's heads and tokens
-        self.ranking.add_layer(q, self.res.exact_keys(layer), scaling, self.step.block_lse(layer, q, scaling))
+        base = self.step.base if self.res.layout is not None else None
+        self.ranking.add_layer(q, self.res.exact_keys(layer, base), scaling, self.step.block_lse(layer, q, scaling))
 
     # -- attention ------------------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import torch
 from ..errors import PackError
 from ..methods.base import GrowingKV, ModelShape
 from . import factorize as fz
-from . import layout, lexical, rope, router
+from . import layout, lexical, positions, rope, router
 from .attention import coarse_scores, route
 from .params import SekvParams
 from .segment import zoom_blocks
@@ -70,6 +70,26 @@ class Residents:
         self.head_masks = params.head_masks
         self.lexicon = lexical.Lexicon(store.get("sekv.lex.terms"), self.block_start, self.block_len) if "sekv.lex.terms" in self.names and self.n_blocks else None
         self.scout_profile = self._profile(store, params.block_unit)
+        #: re-positioned attention (sekv/positions.py): set by reposition(), the first time an ask needs it
+        self.layout: positions.Layout | None = None
+
+    def reposition(self) -> None:
+        """From now on every forward lays the resident keys out at positions of its own (sekv/positions.py): the
+        full-resolution tokens and coarse entries in the resident buffers are de-rotated in place, once, to be rotated
+        to their slots at each forward."""
+        if self.layout is not None:
+            return
+        if not self.pre_rope:
+            from ..errors import SekvError
+
+            raise SekvError("this pack's keys are stored after RoPE (key_space post_rope), so it cannot be read past the model's "
+                            "window; re-ingest it with the default key space")
+        self.layout = positions.Layout(self.full_pos, self.span_start, self.span_len, self.block_start, self.block_len,
+                                       self.block_span, self.shape.n_kv_heads, self.device)
+        cos, sin = rope.cos_sin(self.layout.base_doc_pos, self.inv_freq, self.rope_scaling, dtype=self.shape.dtype)
+        for layer in range(self.shape.n_layers):
+            k = self.kv.k[layer][0, :, : self.n_base]
+            k.copy_(rope.undo(k.float(), cos, sin).to(k.dtype))
 
     def _spans(self, store, unit: int) -> None:
         """Spans and zoom blocks (sekv/segment.py zoom_blocks; unit 0: whole spans), on the host and the device."""
@@ -78,7 +98,8 @@ class Residents:
         self.span_end = store.get("sekv.span_end").long()
         self.span_len = self.span_end - self.span_start
         self.n_spans = int(self.span_start.numel())
-        self.n_full = int(store.get("sekv.full_idx").numel())
+        self.full_pos = store.get("sekv.full_idx").long()
+        self.n_full = int(self.full_pos.numel())
         bs, b0, b1 = zoom_blocks(self.span_start, self.span_end, unit)
         self.block_span, self.block_start, self.block_len = bs.long(), b0.long(), (b1 - b0).long()
         self.block_off = self.block_start - self.span_start[self.block_span]
@@ -136,13 +157,20 @@ class Residents:
             return rows
         return rope.rotate(rows, positions, self.inv_freq, self.rope_scaling, self.shape.dtype)
 
-    def gate_priorities(self, layer: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The per-layer router (SPEC §2.2-2.4): (head candidates [H, S], group priority [Hkv, S]) for this forward."""
-        kbar = self.kv.k[layer][0, :, self.n_full : self.n_base]
+    def base_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Re-positioned: a layer's full-resolution tokens and coarse entries rotated to their slots [Hkv, F + S]
+        -> [Hkv, F + S, d] in the model dtype."""
+        return self.rotate(self.kv.k[layer][0, :, : self.n_base], slots).to(self.shape.dtype)
+
+    def gate_priorities(self, layer: int, query: torch.Tensor, base: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-layer router (SPEC §2.2-2.4): (head candidates [H, S], group priority [Hkv, S]) for this forward.
+        base: the layer's rotated base keys where they are re-positioned."""
+        kbar = (self.kv.k[layer][0] if base is None else base)[:, self.n_full : self.n_base]
         logits = router.gate_logits(query[0], self.w[layer], kbar, self.inv_norm[layer], self.log_n)
         return route(logits, self.logit_tau[layer], self.shape.n_kv_heads)
 
-    def exact_keys(self, layer: int) -> torch.Tensor:
-        """A layer's keys at full resolution: the document's full-resolution tokens and the appended ones [Hkv, F+A, d]."""
+    def exact_keys(self, layer: int, base: torch.Tensor | None = None) -> torch.Tensor:
+        """A layer's keys at full resolution: the document's full-resolution tokens and the appended ones [Hkv, F+A, d]
+        (base: the layer's rotated base keys where they are re-positioned)."""
         k = self.kv.k[layer][0]
-        return torch.cat([k[:, : self.n_full], k[:, self.n_base : self.kv.len[layer]]], 1)
+        return torch.cat([(k if base is None else base)[:, : self.n_full], k[:, self.n_base : self.kv.len[layer]]], 1)
