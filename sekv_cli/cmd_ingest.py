@@ -29,6 +29,10 @@ def ingest(
     factor_bits: int = typer.Option(
         None, "--factor-bits", help="sekv: factor storage in the pack, 4 (default: 4-bit keys and 3-bit values at rest, int8 again in memory) or 8 (int8, as before)"
     ),
+    rope_scaling: str = typer.Option(
+        "auto", "--rope-scaling", help="positions past the model's window: auto (native when the document fits; full and the eviction "
+        "methods get YaRN x2-x4 past it), none, or yarn:F"
+    ),
     device: str = DeviceOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),
     force: bool = typer.Option(False, "--force", help="let -o replace an existing file that is not a sekv pack"),
@@ -43,6 +47,9 @@ def ingest(
     from sekv_core.ingest import default_pack_path
     from sekv_core.pack import prepare_output
 
+    from sekv_core import rope_scaling as rope_scale
+
+    rope_scale.parse(rope_scaling)  # a bad value fails before the model loads
     if max_input_mb <= 0:
         raise SekvError(f"--max-input-mb must be positive, not {max_input_mb:g}")
     if str(document) == "-" and output is None:
@@ -55,7 +62,7 @@ def ingest(
     with model_progress(not quiet) as cb, stage("model load"):
         lm = models.load(model or models.DEFAULT_MODEL, device=device, progress=cb)
     with token_progress("prefill", not quiet) as cb:
-        r = run_ingest(doc, output, lm=lm, method=method, params=params, force=force, progress=cb)
+        r = run_ingest(doc, output, lm=lm, method=method, params=params, force=force, progress=cb, rope_scaling=rope_scaling)
     if not quiet:
         err.print(
             Text.assemble(

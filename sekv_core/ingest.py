@@ -9,11 +9,11 @@ from typing import Any, Callable
 
 import torch
 
-from . import __version__, methods, models, prompt
+from . import __version__, methods, models, prompt, rope_scaling as rope_scale
 from .documents import Document, load_document
 from .errors import DocumentError, stage
 from .methods import scores
-from .methods.base import ModelShape
+from .methods.base import ModelShape, PrefillResult
 from .methods.params import Params
 from .pack import prepare_output, write_pack
 from .prefill import DEFAULT_CHUNK, prefill
@@ -78,6 +78,7 @@ def ingest(
     force: bool = False,
     on_tokens: Callable[[int], None] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    rope_scaling: str | float | None = "auto",
 ) -> IngestResult:
     """Document (a loaded one, or a path) -> pack.  The output is checked and reserved before the prefill (see
     pack.prepare_output); each stage's unexpected failure is one error naming it (errors.stage), and nothing is
@@ -92,7 +93,9 @@ def ingest(
     out_path = Path(out) if out else default_pack_path(doc.path)
     with stage("tokenize"):
         ids, page_runs = tokenize_document(lm, doc)
-    check_fits(lm, doc, len(ids))
+    rope_scale.prepare(lm, cache_method, len(ids), rope_scaling, reserve=RESERVE_TOKENS, what=str(doc.path or doc.name))
+    if rope_scale.policy_of(cache_method) != "any":
+        check_fits(lm, doc, len(ids))
     shape = model_shape(lm)
     raw_fp16 = len(ids) * shape.kv_bytes_per_token(itemsize=2)
     slot = prepare_output(out_path, force=force, inputs=[doc.path] if doc.path else [], needed_bytes=int(raw_fp16 * 1.1) + (1 << 20))
@@ -104,8 +107,11 @@ def ingest(
             if next(lm.model.parameters()).device.type == "cuda":  # host memory for compress's results, ready by the time it runs
                 cache_method.reserve_host(len(ids), shape, params)
             needs = cache_method.needs_scores
-            result = prefill(lm.model, torch.tensor(ids), with_surprisal=cache_method.needs_surprisal, chunk=chunk, progress=progress,
-                             capture=scores.capture_kinds(needs), obs_window=cache_method.obs_window(params))
+            if cache_method.needs_prefill:
+                result = prefill(lm.model, torch.tensor(ids), with_surprisal=cache_method.needs_surprisal, chunk=chunk, progress=progress,
+                                 capture=scores.capture_kinds(needs), obs_window=cache_method.obs_window(params))
+            else:  # rag: no KV at ingest, only the text's statistics
+                result = PrefillResult(torch.tensor(ids), [], [], None, shape, model_fingerprint=lm.fingerprint, model_id=lm.model_id, model=lm.model)
             result.scores.update(scores.text_scores(lm.tokenizer, prompt.document_prefix(lm.tokenizer, doc.text), ids, needs))
         t2 = time.perf_counter()
         with stage("compress"):
@@ -124,6 +130,7 @@ def ingest(
                 "dtype": str(shape.dtype).removeprefix("torch."),
                 "shape": {"layers": shape.n_layers, "heads": shape.n_heads, "kv_heads": shape.n_kv_heads, "head_dim": shape.head_dim},
                 "context_window": models.context_window(lm.config),
+                "rope_scaling": rope_scale.manifest_entry(lm),
             },
             "document": {
                 "name": doc.name,

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import contextlib
 
-from . import methods, models, prompt
+from . import methods, models, prompt, rope_scaling
 from .errors import PackError, SekvError
 from .generate import DecodeStats, TextStream, generate
 from .methods.base import KVMemory, ModelShape
@@ -31,6 +31,7 @@ class Session:
     def __init__(self, pack: Pack, lm: models.LoadedModel, method: str, params: Params, memory: KVMemory, load_s: float):
         self.pack, self.lm, self.method, self.params, self.memory, self.load_s = pack, lm, method, params, memory, load_s
         self.base_tokens = memory.n_tokens()
+        self.rope_factor = rope_scaling.of_manifest(pack.manifest, str(pack.path))  # applied again at every ask: lm may be shared
         self.stop_ids = prompt.stop_token_ids(lm.tokenizer, getattr(lm.model, "generation_config", None))
         self.compile_layers = False  # on CUDA, decode steps' decoder layers torch.compile'd (sekv_core/graphed_step.py)
 
@@ -52,6 +53,7 @@ class Session:
         if lm is None:
             # the pack only names the model: an installed embedded one or an existing local directory, never an install
             lm = models.load(model, device=device, progress=progress) if model else models.load_named_by_pack(pack.manifest["model"]["id"], device=device)
+        rope_scaling.apply(lm, pack.manifest, str(pack.path))  # the positions the pack was made with, before anything reads them
         shape = ModelShape.of(lm.config, next(lm.model.parameters()).dtype)
         check_model(pack, lm.model_id, lm.fingerprint, lm.tokenizer_fingerprint, shape)
         vocab = max(int(getattr(lm.config, "vocab_size", 0) or 0), len(lm.tokenizer))
@@ -79,12 +81,13 @@ class Session:
         suffix = prompt.question_suffix(self.lm.tokenizer, question, history)
         q_ids = prompt.encode(self.lm.tokenizer, suffix)
         window = models.context_window(self.lm.config)
-        if window and self.base_tokens + len(q_ids) + max_new_tokens > window:
+        if window and self.memory.window_tokens() + len(q_ids) + max_new_tokens > window:
             raise SekvError(
                 f"document ({self.base_tokens}) + question ({len(q_ids)}) + --max-new-tokens ({max_new_tokens}) tokens "
                 f"exceed the model's context window of {window}; ask a shorter question or lower --max-new-tokens"
             )
         self.memory.truncate(self.base_tokens)
+        models.set_rope_scaling(self.lm, self.rope_factor)
         stream = TextStream(self.lm.tokenizer, on_text) if on_text else None
         try:
             ids, stats = generate(
@@ -202,6 +205,7 @@ def inspect_pack(path: str | Path) -> tuple[Pack, dict[str, Any]]:
     if pack.method not in methods.REGISTRY:
         raise PackError(f"{pack.path}: made with cache method {pack.method!r}, which this sekv does not have ({', '.join(methods.REGISTRY)})")
     params = stored_params(pack)
+    rope_scaling.of_manifest(pack.manifest, str(pack.path))
     check_pack_tensors(pack, manifest_shape(pack))
     with loading(pack, "inspect"):
         return pack, methods.get(pack.method).describe(pack, params)
