@@ -27,7 +27,7 @@ from sekv_core.ingest import ingest
 from sekv_core.session import Session, inspect_pack
 
 REGRESSIONS = Path(__file__).with_name("fuzz_regressions.json")
-METHODS = ("sekv", "full", "streamingllm", "sentencekv", "kvzip")
+METHODS = ("sekv", "full", "streamingllm", "sentencekv", "kvzip", "rag")
 ODD_VALUES = [None, True, False, 0, -1, 1, 2, 3, 7, 2**31, 2**62, -(2**40), 0.5, 1e300, -1e-9, "", "x", "../../etc/passwd",
               "\x1b[2J", [], [0], [1, 2, 3], [[0, 0, 1]], {}, {"a": 1}, "qwen2.5-0.5b", "/tmp", "0" * 64]
 
