@@ -40,7 +40,7 @@ class RagParams(BudgetParams):
     method = "rag"
     budget: float = ask_time(DEFAULT_BUDGET)
     #: the largest chunk, in tokens (a sentence longer than this is cut)
-    chunk_tokens: int = 256
+    chunk_tokens: int = 128
 
     def __post_init__(self):
         if not 0 < self.budget <= 1:
