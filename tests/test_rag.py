@@ -152,3 +152,18 @@ def test_rag_is_registered_and_in_bench():
 
     assert methods.get("rag").name == "rag" and "rag" in parse_methods("all")
     assert methods.get("rag").needs_prefill is False and methods.get("full").needs_prefill is True
+
+
+def test_rag_runs_in_the_benchmark_with_budget_one_as_full(lm, haystack, tmp_path):
+    """The runner's path (compress on a shared prefill, a DictStore, generate): at budget 1 every chunk is read, so
+    rag's answers are full's."""
+    import json
+
+    from sekv_core.bench import runner
+
+    cfg = runner.BenchConfig(tasks=["niah"], methods=["full", "rag"], budgets=[1.0], lengths=[300], depths=[50], seed=0, haystack=haystack)
+    o = runner.run(lm, cfg, tmp_path)
+    assert not o.errors
+    recs = [json.loads(x) for x in (tmp_path / runner.RESULTS_FILE).read_text().splitlines()]
+    rag = [r for r in recs if r["method"] == "rag"]
+    assert rag and all(r["identical_to_full"] for r in rag) and all(0 < r["resident_fraction"] <= 1.0 for r in rag)
