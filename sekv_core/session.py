@@ -80,14 +80,15 @@ class Session:
             raise SekvError("the question is empty")
         suffix = prompt.question_suffix(self.lm.tokenizer, question, history)
         q_ids = prompt.encode(self.lm.tokenizer, suffix)
+        models.set_rope_scaling(self.lm, self.rope_factor)
         window = models.context_window(self.lm.config)
-        if window and self.memory.window_tokens() + len(q_ids) + max_new_tokens > window:
+        used = self.memory.window_tokens()
+        if window and used + len(q_ids) + max_new_tokens > window:
             raise SekvError(
-                f"document ({self.base_tokens}) + question ({len(q_ids)}) + --max-new-tokens ({max_new_tokens}) tokens "
+                f"document ({used}) + question ({len(q_ids)}) + --max-new-tokens ({max_new_tokens}) tokens "
                 f"exceed the model's context window of {window}; ask a shorter question or lower --max-new-tokens"
             )
         self.memory.truncate(self.base_tokens)
-        models.set_rope_scaling(self.lm, self.rope_factor)
         stream = TextStream(self.lm.tokenizer, on_text) if on_text else None
         try:
             ids, stats = generate(
