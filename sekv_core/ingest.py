@@ -98,7 +98,8 @@ def ingest(
         check_fits(lm, doc, len(ids))
     shape = model_shape(lm)
     raw_fp16 = len(ids) * shape.kv_bytes_per_token(itemsize=2)
-    slot = prepare_output(out_path, force=force, inputs=[doc.path] if doc.path else [], needed_bytes=int(raw_fp16 * 1.1) + (1 << 20))
+    needed = int(raw_fp16 * 1.1) if cache_method.needs_prefill else 64 * len(ids)  # rag: token ids and its index, no KV
+    slot = prepare_output(out_path, force=force, inputs=[doc.path] if doc.path else [], needed_bytes=needed + (1 << 20))
     try:
         if on_tokens:
             on_tokens(len(ids))
