@@ -30,6 +30,10 @@ def ingest(
     factor_bits: int = typer.Option(
         None, "--factor-bits", help="sekv: factor storage in the pack, 4 (default: 4-bit keys and 3-bit values at rest, int8 again in memory) or 8 (int8, as before)"
     ),
+    rope_scaling: str = typer.Option(
+        "auto", "--rope-scaling", help="positions past the model's window: auto (native when the document fits; full and the eviction "
+        "methods get YaRN x2-x4 past it), none, or yarn:F"
+    ),
     device: str = DeviceOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),
     force: bool = typer.Option(False, "--force", help="let -o replace an existing file that is not a sekv pack"),
@@ -47,6 +51,9 @@ def ingest(
     from sekv_core.pack import prepare_output
 
     system = system_prompt(system, system_file)
+    from sekv_core import rope_scaling as rope_scale
+
+    rope_scale.parse(rope_scaling)  # a bad value fails before the model loads
     if max_input_mb <= 0:
         raise SekvError(f"--max-input-mb must be positive, not {max_input_mb:g}")
     if str(document) == "-" and output is None:
@@ -59,7 +66,7 @@ def ingest(
     with ingest_progress(not quiet) as view:
         with stage("model load"):
             lm = models.load(model or models.DEFAULT_MODEL, device=device, progress=view.model if view else None)
-        r = run_ingest(doc, output, lm=lm, method=method, params=params, force=force, progress=view, system=system)
+        r = run_ingest(doc, output, lm=lm, method=method, params=params, force=force, progress=view, system=system, rope_scaling=rope_scaling)
     if not quiet:
         err.print(
             Text.assemble(

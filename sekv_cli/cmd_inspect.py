@@ -36,6 +36,7 @@ def inspect(
         ("document", f"{doc['name']} ({doc['kind']}, {doc['n_pages']} page(s), sha256 {doc['sha256'][:12]}...)"),
         ("tokens", str(m["n_tokens"])),
         ("model", f"{m['model']['id']} ({m['model']['dtype']}, fingerprint {m['model']['fingerprint'][:12]})"),
+        ("positions", rope_text(m["model"])),
         ("method", f"{m['method']} {json.dumps(m['method_params'])}"),
         ("size", f"{human_bytes(m['file_bytes'])} = {100 * m['file_bytes'] / max(raw, 1):.1f}% of the raw fp16 KV cache ({human_bytes(raw)})"),
     ]
@@ -43,3 +44,11 @@ def inspect(
         rows.append(("system prompt", m["system"] if len(m["system"]) <= 200 else m["system"][:197] + "..."))
     rows += [(k.replace("_", " "), v if isinstance(v, str) else json.dumps(v)) for k, v in details.items()]
     out.print(kv_table("", [(safe_line(k), safe_line(v)) for k, v in rows]))
+
+
+def rope_text(model: dict) -> str:
+    """The RoPE scaling a pack was ingested with (checked by inspect_pack), and the window it addresses."""
+    rs = model.get("rope_scaling")
+    if not rs:
+        return f"native RoPE, window {model['context_window']} tokens"
+    return f"YaRN x{rs['factor']:g} over the native {rs['original_max_position_embeddings']} tokens, window {model['context_window']} tokens"

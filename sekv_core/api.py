@@ -153,20 +153,24 @@ def ingest(
     device: str | None = None,
     params: dict[str, Any] | None = None,
     system: str | None = None,
+    rope_scaling: str = "auto",
 ) -> IngestResult:
     """Read the document at ``path`` (.pdf, .txt, .md) once and write its context pack to ``out`` (default: beside
     it, suffix .sekv).  ``model``: an embedded model name, a local Hugging Face directory or a loaded model;
     ``params``: further method parameters (as the CLI's options); ``system``: the system prompt to prefill with the
-    document (None: the default)."""
+    document (None: the default); ``rope_scaling``: "auto", "none" or "yarn:F" (sekv_core/rope_scaling.py)."""
     from .documents import load_document
     from .ingest import ingest as run_ingest
 
     method = method or methods.DEFAULT_METHOD
     overrides = dict(params or {}) | ({"budget": budget} if budget is not None else {})
     resolved = methods.get(method).resolve_params(overrides)
+    from .rope_scaling import parse
+
+    parse(rope_scaling)
     load_document(path)  # a bad document fails before the model loads
     lm = _load(model, models.DEFAULT_MODEL, device)
-    return run_ingest(path, out, lm=lm, method=method, params=resolved, system=system)
+    return run_ingest(path, out, lm=lm, method=method, params=resolved, system=system, rope_scaling=rope_scaling)
 
 
 def open(  # noqa: A001 - `sekv.open(path)` reads like the builtin on purpose

@@ -73,7 +73,8 @@ def generate(
     t0 = time.perf_counter()
     t_first = None
     peak = 0
-    memory.prepare_question(lambda: runtime.forward_hidden(model, ids, memory.n_tokens(), memory), question)
+    # forward(): the question's tokens through the model over the memory; forward(other_ids): those instead (rag prefills its chunks)
+    memory.prepare_question(lambda other=None: runtime.forward_hidden(model, ids if other is None else other, memory.n_tokens(), memory), question)
     while True:
         if graphed is not None and ids.shape[1] == 1:
             hidden = graphed(ids)

@@ -9,11 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from . import __version__, methods, models, prompt, windows
+import torch
+
+from . import __version__, methods, models, prompt, windows, rope_scaling as rope_scale
 from .documents import Document, load_document
 from .errors import DocumentError, stage
 from .methods import scores
-from .methods.base import ModelShape
+from .methods.base import ModelShape, PrefillResult
 from .methods.params import Params
 from .pack import prepare_output, write_pack
 from .prefill import DEFAULT_CHUNK, prefill_window
@@ -141,6 +143,7 @@ def ingest(
     force: bool = False,
     progress: Callable[[IngestProgress], None] | None = None,
     system: str | None = None,
+    rope_scaling: str | float | None = "auto",
 ) -> IngestResult:
     """Document (a loaded one, or a path) -> pack.  The output is checked and reserved before the prefill (see
     pack.prepare_output); each stage's unexpected failure is one error naming it (errors.stage), and nothing is
@@ -156,11 +159,13 @@ def ingest(
     out_path = Path(out) if out else default_pack_path(doc.path)
     with stage("tokenize"):
         ids, page_runs, header_len = _tokenize(lm, doc, system)
+    rope_scale.prepare(lm, cache_method, len(ids), rope_scaling, reserve=RESERVE_TOKENS, what=str(doc.path or doc.name))
     plan = plan_windows(lm, doc, len(ids), cache_method, header_len)
     shape = model_shape(lm)
     raw_fp16 = len(ids) * shape.kv_bytes_per_token(itemsize=2)
     report = _Progress(progress, len(ids), page_runs, len(doc.pages), len(plan))
-    slot = prepare_output(out_path, force=force, inputs=[doc.path] if doc.path else [], needed_bytes=int(raw_fp16 * 1.1) + (1 << 20))
+    needed = int(raw_fp16 * 1.1) if cache_method.needs_prefill else 64 * len(ids)  # rag: token ids and its index, no KV
+    slot = prepare_output(out_path, force=force, inputs=[doc.path] if doc.path else [], needed_bytes=needed + (1 << 20))
     try:
         needs = cache_method.needs_scores
         text_scores = scores.text_scores(lm.tokenizer, prompt.document_prefix(lm.tokenizer, doc.text, system), ids, needs, system)
@@ -187,6 +192,12 @@ def ingest(
         if cache_method.length_policy == "windowed":
             with stage("compress"):
                 tensors = cache_method.compress_windows(window_prefills(), params)
+        elif not cache_method.needs_prefill:  # rag: no KV at ingest, only the text's statistics
+            result = PrefillResult(torch.tensor(ids), [], [], None, shape, model_fingerprint=lm.fingerprint, model_id=lm.model_id, model=lm.model)
+            result.scores.update(text_scores)
+            with stage("compress"):
+                tensors = cache_method.compress(result, params)
+            del result
         else:
             result = next(window_prefills())
             with stage("compress"):
@@ -206,6 +217,7 @@ def ingest(
                 "dtype": str(shape.dtype).removeprefix("torch."),
                 "shape": {"layers": shape.n_layers, "heads": shape.n_heads, "kv_heads": shape.n_kv_heads, "head_dim": shape.head_dim},
                 "context_window": models.context_window(lm.config),
+                "rope_scaling": rope_scale.manifest_entry(lm),
             },
             "document": {
                 "name": doc.name,

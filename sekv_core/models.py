@@ -452,5 +452,79 @@ def _cached_digest(key: str, compute: Callable[[], str]) -> str:
     return known[key]
 
 
+# -- RoPE scaling: native RoPE or static YaRN, switched in place ------------------------------------------------
+
+def _rotary_modules(model) -> list:
+    """The model's rotary embedding modules (those holding an ``inv_freq`` buffer and an ``attention_scaling``)."""
+    return [m for m in model.modules() if hasattr(m, "inv_freq") and hasattr(m, "attention_scaling")]
+
+
+def native_rope(model) -> dict:
+    """The rope parameters the model was loaded with (remembered on the first switch)."""
+    import copy
+
+    if not hasattr(model, "sekv_native_rope"):
+        cfg = model.config
+        model.sekv_native_rope = (copy.deepcopy(getattr(cfg, "rope_parameters", None)), int(getattr(cfg, "max_position_embeddings", 0) or 0))
+    return model.sekv_native_rope
+
+
+def yarn_parameters(native: dict, factor: float, window: int) -> dict:
+    """``rope_parameters`` for static YaRN x factor over a native window (transformers' names, 5.17 to 5.24)."""
+    rp = {k: v for k, v in (native or {}).items() if k in ("rope_theta", "partial_rotary_factor")}
+    return rp | {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(window)}
+
+
+def set_rope_scaling(lm, factor: float | None) -> None:
+    """Switch a loaded model between its native RoPE (None) and static YaRN x factor over its native window, in place:
+    the config's ``rope_parameters`` and every rotary module's ``inv_freq`` / ``attention_scaling``, computed by
+    transformers' own rope functions (no reload).  Idempotent; a model whose native RoPE is not the default kind
+    (already scaled, dynamic, ...) cannot be re-scaled: ModelError."""
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    model = getattr(lm, "model", lm)
+    native, window = native_rope(model)
+    cfg = model.config
+    if factor is None:
+        params = native
+    else:
+        kind = (native or {}).get("rope_type", "default") if isinstance(native, dict) else None
+        if kind != "default" or not window:
+            raise ModelError(f"this model's RoPE ({kind}) cannot be re-scaled with YaRN; ingest with --rope-scaling none")
+        params = yarn_parameters(native, factor, window)
+    if getattr(cfg, "rope_parameters", None) == params:
+        return
+    import copy
+
+    cfg.rope_parameters = copy.deepcopy(params)  # transformers may standardise it in place
+    for mod in _rotary_modules(model):
+        kind = (params or {}).get("rope_type", "default")
+        if kind == "default":
+            inv, scaling = type(mod).compute_default_rope_parameters(cfg)
+        else:
+            inv, scaling = ROPE_INIT_FUNCTIONS[kind](cfg)
+        mod.rope_type = kind
+        mod.attention_scaling = scaling
+        for name in ("inv_freq", "original_inv_freq"):
+            buf = getattr(mod, name, None)
+            if isinstance(buf, torch.Tensor):
+                setattr(mod, name, inv.to(device=buf.device, dtype=buf.dtype))
+
+
+def rope_factor(config) -> float | None:
+    """The static YaRN factor a config carries, None for any other RoPE."""
+    rp = getattr(config, "rope_parameters", None)
+    if isinstance(rp, dict) and rp.get("rope_type") == "yarn" and rp.get("factor"):
+        return float(rp["factor"])
+    return None
+
+
 def context_window(config) -> int:
-    return int(getattr(config, "max_position_embeddings", 0) or 0)
+    """The tokens the model's positions address: max_position_embeddings, or, under static YaRN, the original window
+    times the factor."""
+    window = int(getattr(config, "max_position_embeddings", 0) or 0)
+    rp = getattr(config, "rope_parameters", None)
+    if rope_factor(config) and rp.get("original_max_position_embeddings"):
+        window = max(window, int(rp["original_max_position_embeddings"] * rp["factor"]))
+    return window

@@ -94,6 +94,17 @@ def question_suffix(tokenizer, question: str, history: list[Turn] | tuple = (), 
     return text[text.index(marker) + len(marker) :]
 
 
+def document_token_range(tokenizer, prefix: str) -> tuple[int, int]:
+    """[start, end) of the document's tokens in a document_prefix() text as ingest tokenizes it: the tokens that
+    start inside the document's characters (the header before it, the closing tag after it)."""
+    tail = len(_user_first("")) - len(_user_first("").split("\n</document>")[0])
+    start_char, end_char = len(document_prefix(tokenizer, "")) - tail, len(prefix) - tail
+    offsets = tokenizer(prefix, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    start = sum(1 for a, _ in offsets if a < start_char)
+    end = sum(1 for a, _ in offsets if a < end_char)
+    return start, max(start, end)
+
+
 def encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import contextlib
 
-from . import methods, models, prompt, reach
+from . import methods, models, prompt, reach, rope_scaling
 from .errors import PackError, SekvError
 from .generate import DecodeStats, TextStream, generate
 from .methods.base import KVMemory, ModelShape
@@ -33,6 +33,7 @@ class Session:
         self.base_tokens = memory.n_tokens()  # the document's tokens
         self.start = self.base_tokens  # the question's position (re-positioned memories: set per ask)
         #: the positions the model addresses: its window, or what the pack's RoPE scaling covers (sekv_core/reach.py)
+        self.rope_factor = rope_scaling.of_manifest(pack.manifest, str(pack.path))  # applied again at every ask: lm may be shared
         self.window = reach.effective_window(pack.manifest.get("model"), models.context_window(lm.config))
         self.stop_ids = prompt.stop_token_ids(lm.tokenizer, getattr(lm.model, "generation_config", None))
         self.compile_layers = False  # on CUDA, decode steps' decoder layers torch.compile'd (sekv_core/graphed_step.py)
@@ -55,6 +56,7 @@ class Session:
         if lm is None:
             # the pack only names the model: an installed embedded one or an existing local directory, never an install
             lm = models.load(model, device=device, progress=progress) if model else models.load_named_by_pack(pack.manifest["model"]["id"], device=device)
+        rope_scaling.apply(lm, pack.manifest, str(pack.path))  # the positions the pack was made with, before anything reads them
         shape = ModelShape.of(lm.config, next(lm.model.parameters()).dtype)
         check_model(pack, lm.model_id, lm.fingerprint, lm.tokenizer_fingerprint, shape)
         vocab = max(int(getattr(lm.config, "vocab_size", 0) or 0), len(lm.tokenizer))
@@ -82,11 +84,13 @@ class Session:
             raise SekvError("the question is empty")
         suffix = prompt.question_suffix(self.lm.tokenizer, question, history, self.pack.manifest.get("system"))
         q_ids = prompt.encode(self.lm.tokenizer, suffix)
+        models.set_rope_scaling(self.lm, self.rope_factor)
         window, reserve = self.window, len(q_ids) + max_new_tokens
         self.start = start_ask(self.memory, self.start, window, reserve)
-        if window and self.start + reserve > window:
+        used = self.memory.window_tokens()  # the question's position; rag: the most it prefills before the question
+        if window and used + reserve > window:
             raise SekvError(
-                f"document ({self.base_tokens}) + question ({len(q_ids)}) + --max-new-tokens ({max_new_tokens}) tokens "
+                f"document ({used}) + question ({len(q_ids)}) + --max-new-tokens ({max_new_tokens}) tokens "
                 f"exceed the model's context window of {window}; ask a shorter question or lower --max-new-tokens"
             )
         stream = TextStream(self.lm.tokenizer, on_text) if on_text else None
@@ -216,6 +220,7 @@ def inspect_pack(path: str | Path) -> tuple[Pack, dict[str, Any]]:
     if pack.method not in methods.REGISTRY:
         raise PackError(f"{pack.path}: made with cache method {pack.method!r}, which this sekv does not have ({', '.join(methods.REGISTRY)})")
     params = stored_params(pack)
+    rope_scaling.of_manifest(pack.manifest, str(pack.path))
     check_pack_tensors(pack, manifest_shape(pack))
     with loading(pack, "inspect"):
         return pack, methods.get(pack.method).describe(pack, params)

@@ -28,7 +28,7 @@ from sekv_core.ingest import ingest
 from sekv_core.session import Session, inspect_pack
 
 REGRESSIONS = Path(__file__).with_name("fuzz_regressions.json")
-METHODS = ("sekv", "full", "streamingllm", "sentencekv", "kvzip", "depthweave")
+METHODS = ("sekv", "full", "streamingllm", "sentencekv", "kvzip", "depthweave", "rag")
 #: depthweave's floor (bases + coefficients) is 0.59 of this small document's KV: above it, the routing still has a choice
 BUDGETS = {"depthweave": 0.8}
 ODD_VALUES = [None, True, False, 0, -1, 1, 2, 3, 7, 2**31, 2**62, -(2**40), 0.5, 1e300, -1e-9, "", "x", "../../etc/passwd",

@@ -11,6 +11,7 @@ from .depthweave import DepthWeaveMethod
 from .h2o import H2OMethod
 from .kvzip import KVzipMethod
 from .pyramidkv import PyramidKVMethod
+from .rag import RagMethod
 from .sentencekv import SentenceKVMethod
 from .snapkv import SnapKVMethod
 from .streamingllm import StreamingLLMMethod
@@ -23,7 +24,7 @@ def register(method: CacheMethod) -> CacheMethod:
     return method
 
 
-for _m in (FullMethod(), SekvMethod(), StreamingLLMMethod(), H2OMethod(), SnapKVMethod(), KVzipMethod(), PyramidKVMethod(), ChunkKVMethod(), SentenceKVMethod(), DepthWeaveMethod()):
+for _m in (FullMethod(), SekvMethod(), StreamingLLMMethod(), H2OMethod(), SnapKVMethod(), KVzipMethod(), PyramidKVMethod(), ChunkKVMethod(), SentenceKVMethod(), DepthWeaveMethod(), RagMethod()):
     register(_m)
 
 #: `sekv` at its default 10 % budget answers every sample question that `full` answers (8/10 against 7/10) and

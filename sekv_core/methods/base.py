@@ -40,6 +40,8 @@ class ModelShape:
     #: [head_dim/2] and the cos/sin factor; None where it is not static (dynamic / longrope / partial)
     rope_inv_freq: tuple[float, ...] | None = None
     rope_attention_scaling: float = 1.0
+    #: the positions the model addresses (sekv_core.models.context_window: YaRN included), 0 when unknown
+    context_window: int = 0
 
     @classmethod
     def of(cls, config, dtype: torch.dtype) -> "ModelShape":
@@ -49,7 +51,10 @@ class ModelShape:
             rp = getattr(config, "rope_parameters", None) or {}
             rope = rp.get("rope_theta", 10000.0) if isinstance(rp, dict) else 10000.0
         inv_freq, scaling = _static_rope(config, hd, float(rope))
-        return cls(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, hd, dtype, float(rope), inv_freq, scaling)
+        from ..models import context_window
+
+        return cls(config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, hd, dtype, float(rope), inv_freq, scaling,
+                   context_window(config))
 
     def kv_bytes_per_token(self, itemsize: int | None = None) -> int:
         itemsize = itemsize or torch.empty(0, dtype=self.dtype).element_size()
@@ -133,6 +138,11 @@ class KVMemory(ABC):
     def resident_bytes(self) -> int:
         """KV bytes held on the compute device right now."""
 
+    def window_tokens(self) -> int:
+        """Positions the memory occupies before the question, which the model's window must hold with the question
+        and the answer: n_tokens(); a memory that lays out less than its document (rag) says how many at most."""
+        return self.n_tokens()
+
     def full_bytes(self) -> int:
         """Bytes the full KV cache of n_tokens() tokens would take in the model dtype."""
         return self.n_tokens() * self.shape.kv_bytes_per_token()
@@ -147,8 +157,9 @@ class KVMemory(ABC):
 
     def prepare_question(self, forward: Callable[[], Any], question: str | None = None) -> None:
         """Called once per answer, before its first forward; forward() runs the question's tokens through the
-        model over this memory (a memory may look at them first, then must drop them); question: its text, when
-        the caller has it.  Default: nothing."""
+        model over this memory (a memory may look at them first, then must drop them), forward(ids) other tokens
+        [1, n] at the memory's next position (they stay, as any forward's do); question: its text, when the caller
+        has it.  Default: nothing."""
 
     def place_in_window(self, window: int, reserve: int) -> None:
         """Called before an ask that appends up to ``reserve`` tokens to a model of ``window`` positions: a memory that
@@ -345,6 +356,8 @@ class CacheMethod(ABC):
     #: prefill statistics compress() reads from PrefillResult.scores: any of "obs_queries",
     #: "attn_mass", "token_text" (captured by sekv_core.methods.scores during the one prefill)
     needs_scores: tuple[str, ...] = ()
+    #: whether ingest prefills the document (rag does not: it keeps text chunks and prefills a few at ask time)
+    needs_prefill: bool = True
     #: the method's parameters (sekv_core/methods/params.py): a frozen dataclass, defaults on its fields
     params_type: type[Params] = Params
     #: named variants for `sekv bench --ablations` (name -> an object with ``overrides``), if any

@@ -22,7 +22,10 @@ the statistics land in ``PrefillResult.scores``:
     tokenizer) - SentenceKV's sentence splitter.
 ``"lex_terms"``
     ``[N]`` int32, the word term of every document token (sekv/lexical.py; filled
-    by ingest too) - the lexical evidence of sekv's scout.
+    by ingest too) - the lexical evidence of sekv's scout, and rag's BM25 terms.
+``"doc_range"``
+    ``(start, end)``: the document's own tokens within the prompt (filled by
+    ingest) - rag's chunks lie inside it.
 
 Eviction plumbing
 -----------------
@@ -46,9 +49,9 @@ from .base import CacheMethod, GrowingKV, KVMemory, ModelShape, PrefillResult, S
 from .full import FullMemory
 from .params import BudgetParams
 
-SCORE_KINDS = ("obs_queries", "attn_mass", "token_text", "lex_terms", "kvzip_prompts")
+SCORE_KINDS = ("obs_queries", "attn_mass", "token_text", "lex_terms", "kvzip_prompts", "doc_range")
 #: the statistics read off the text, not captured by the prefill: :func:`text_scores` fills them
-TEXT_SCORES = ("token_text", "lex_terms", "kvzip_prompts")
+TEXT_SCORES = ("token_text", "lex_terms", "kvzip_prompts", "doc_range")
 #: float32 elements of one block of attention probabilities while accumulating attn_mass (64 MiB)
 _MASS_BLOCK = 1 << 24
 
@@ -66,6 +69,10 @@ def text_scores(tokenizer, text: str, ids: list[int], needs, system: str | None 
         if terms.numel() != len(ids):
             raise ValueError(f"lex_terms: {terms.numel()} token terms for {len(ids)} tokens (another tokenization of the text?)")
         out["lex_terms"] = terms
+    if "doc_range" in needs:  # [start, end) of the document's own tokens between the prompt's header and closing tag
+        from ..prompt import document_token_range
+
+        out["doc_range"] = document_token_range(tokenizer, text)
     if "kvzip_prompts" in needs:
         from .kvzip import reconstruction_prompts
 
