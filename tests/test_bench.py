@@ -309,9 +309,62 @@ def test_method_writing_into_the_shared_prefill_stops_the_run(lm, haystack, tmp_
         runner.run(lm, _cfg(haystack, methods=["vandal"], depths=[50], budgets=[0.5]), tmp_path)
 
 
-def test_context_window_is_checked(lm, haystack, tmp_path):
-    with pytest.raises(Exception, match="context window"):
-        runner.run(lm, _cfg(haystack, methods=["full"], lengths=[8190]), tmp_path)
+@pytest.fixture(scope="module")
+def lm512(tmp_path_factory):
+    """A tiny model with a 512-position window (sekv's windowed prefill needs room for the prompt's header)."""
+    from conftest import make_tiny_model
+    from sekv_core import models
+
+    return models.load(str(make_tiny_model(tmp_path_factory.mktemp("tiny512"), "qwen2", max_positions=512)), device="cpu", dtype=torch.float32)
+
+
+def test_context_window_is_checked(lm512, haystack, tmp_path):
+    with pytest.raises(Exception, match="context window"):  # past what YaRN x4 carries, and no method that reads further
+        runner.run(lm512, _cfg(haystack, methods=["full"], lengths=[2100], depths=[50]), tmp_path)
+
+
+def test_full_past_the_window_runs_with_yarn_as_ingest_would(lm512, haystack, tmp_path):
+    """A 1,000-token context on a 512-position model: full reads it with YaRN x3 (rope_scaling.plan: 1,000 + ingest's
+    512 reserved tokens), its answer equals plain transformers' greedy decoding with that YaRN config (an independent
+    reference); sekv reads it natively in windows; the model is native again afterwards."""
+    from transformers import AutoModelForCausalLM
+
+    from sekv_core import models
+
+    native_inv = lm512.model.model.rotary_emb.inv_freq.clone()
+    cfg = _cfg(haystack, methods=["full"], budgets=[0.5], lengths=[1000], depths=[50], max_new_tokens=8)
+
+    def native():
+        assert models.rope_factor(lm512.config) is None and torch.equal(lm512.model.model.rotary_emb.inv_freq, native_inv)
+        assert lm512.model.model.rotary_emb.attention_scaling == 1.0
+
+    o = runner.run(lm512, cfg, tmp_path)  # full alone: the YaRN phase is the last one, and the model must still be native after it
+    assert o.errors == [] and o.added == 1 and o.prefills == 1
+    native()
+    cfg.methods = ["full", "sekv"]  # resumed: full is done, sekv reads the context natively in windows
+    o = runner.run(lm512, cfg, tmp_path)
+    assert o.errors == [] and (o.added, o.skipped, o.prefills) == (1, 1, 1)
+    native()
+    recs = {r["method"]: r for r in runner.read_results(tmp_path / runner.RESULTS_FILE)}
+    full, sk = recs["full"], recs["sekv"]
+    assert full["rope_factor"] == 3.0 and sk["rope_factor"] is None and sk["prefill_with"][-1].endswith("windows")
+    assert full["n_tokens"] > 2 * 512 - 100
+
+    tok = lm512.tokenizer
+    ctx = runner.plan_contexts(tok, cfg)[0]
+    ids = prompt.encode(tok, prompt.document_prefix(tok, ctx.document)) + prompt.encode(tok, prompt.question_suffix(tok, ctx.probes[0].question))
+    stop = prompt.stop_token_ids(tok, getattr(lm512.model, "generation_config", None))
+
+    def greedy(**kw):
+        m = AutoModelForCausalLM.from_pretrained(lm512.path, dtype=torch.float32, attn_implementation="sdpa", **kw).eval()
+        out = m.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=sorted(stop), pad_token_id=0)
+        return [t for t in out[0, len(ids):].tolist() if t not in stop]
+
+    yarn3 = {"rope_type": "yarn", "factor": 3.0, "original_max_position_embeddings": 512, "rope_theta": 10000.0}
+    want = greedy(rope_parameters=yarn3)
+    assert len(full["answer_ids"]) > 3 and full["answer_ids"] == want
+    assert want != greedy()  # native RoPE answers otherwise: the test can fail
+    assert runner.run(lm512, cfg, tmp_path).added == 0  # resumable
 
 
 # ---------------------------------------------------------------------------------------------

@@ -185,7 +185,7 @@ def summary_markdown(rows: list[dict], errors: list[dict], plots: list[Path], pl
         for L in sorted({r["length"] for r in mrs}):
             rs = select(mrs, length=L)
             body.append(
-                [m, "–" if b is None else f"{b:g}", str(L), _mean(rs, lambda r: r["n_tokens"], "{:.0f}"),
+                [m, "–" if b is None else f"{b:g}", str(L), _mean(rs, lambda r: r["n_tokens"], "{:.0f}"), _rope(rs),
                  _mib(mean(r["resident_kv_bytes_peak"] for r in rs)), _mib(mean(r["full_kv_bytes"] for r in rs)),
                  _mean(rs, lambda r: 100 * r["resident_fraction"], "{:.1f}%"),
                  _mean(rs, lambda r: r.get("gpu_peak_bytes") and r["gpu_peak_bytes"] / 2**20, "{:.0f}"),
@@ -193,7 +193,7 @@ def summary_markdown(rows: list[dict], errors: list[dict], plots: list[Path], pl
                  _mean(rs, lambda r: r.get("prefill_tok_per_s"), "{:.0f}"),
                  _mean(rs, lambda r: r.get("compress_s"))]
             )
-    lines += _table(["method", "budget", "length", "tokens", "resident KV peak MiB", "full KV MiB", "resident %",
+    lines += _table(["method", "budget", "length", "tokens", "RoPE", "resident KV peak MiB", "full KV MiB", "resident %",
                      "GPU peak MiB", "process RSS MiB ‡", "prefill tok/s ‡", "compress s ‡"], body)
 
     zrows = [r for r in rows if any(k.startswith("zoom") for k in (r.get("method_stats") or {}))]
@@ -225,6 +225,12 @@ def summary_markdown(rows: list[dict], errors: list[dict], plots: list[Path], pl
                  str(r.get("error", "")).replace("|", "\\|")[:160]] for r in errors]
         lines += _table(["task", "length", "depth", "method", "error"], body)
     return "\n".join(lines)
+
+
+def _rope(rows: list[dict]) -> str:
+    """The RoPE the rows were read with: native, or the YaRN factor(s) the runner chose past the window."""
+    fs = sorted({r.get("rope_factor") or 1.0 for r in rows})
+    return ", ".join("native" if f == 1.0 else f"YaRN x{f:g}" for f in fs)
 
 
 def _flat_mean(x) -> float | None:

@@ -14,6 +14,13 @@ cells are all done is not even prefilled.  Cells that failed are written with an
 
 ``full`` is always run first for each context (also when not asked for): it is the
 reference for ``identical_to_full`` (the answer's token ids equal full's).
+
+Past the model's window a context is read as ``sekv ingest`` + ``sekv ask`` would read it:
+``sekv`` and ``rag`` at native RoPE from a prefill in windows; ``full`` and the other
+"window" methods from one more prefill with the model at the YaRN factor
+``rope_scaling.plan`` gives (up to 4x; past that they are skipped with a warning), asked at
+that factor, and the model switched back to native RoPE before anything else runs.  Each
+row records the factor (``rope_factor``: null for native).
 """
 
 from __future__ import annotations
@@ -30,8 +37,8 @@ from typing import Any, Iterable
 
 import torch
 
-from .. import __version__, ingest, methods, models, prompt, reach
-from ..errors import SekvError
+from .. import __version__, ingest, methods, models, prompt, rope_scaling
+from ..errors import DocumentError, SekvError
 from ..generate import generate
 from ..methods import scores as prefill_scores
 from ..methods.base import DictStore, ModelShape
@@ -240,6 +247,7 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
     stop_ids = prompt.stop_token_ids(tok, getattr(model, "generation_config", None))
     grid = method_grid(cfg.methods, cfg.budgets)
     machine = machine_info(device)
+    models.set_rope_scaling(lm, None)  # plan against the native window, whatever an earlier run left
     window = models.context_window(lm.config)
 
     reporter.stage("generating tasks")
@@ -249,19 +257,24 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
         q_ids[ci] = [prompt.encode(tok, prompt.question_suffix(tok, p.question)) for p in ctx.probes]
     outcome = Outcome()
     pending_by_ctx: list[list[tuple[int, str, float | None]]] = []
+    rope_of: dict[int, dict[str, float | None]] = {}  # context -> method -> YaRN factor (None: native RoPE)
     for ci, ctx in enumerate(contexts):
         pend = []
         longest = max(len(q) + _max_new(cfg, p) for q, p in zip(q_ids[ci], ctx.probes))
-        # past the window only methods that re-position (sekv) can read a context (sekv_core/reach.py)
-        readable = [(m, b) for m, b in grid if _reaches(m, ctx.n_tokens + longest, window)]
+        # past the window, "window" methods read the context with YaRN as `sekv ingest` would (rope_scaling.plan with
+        # ingest's reserve: factor <= 4); sekv (re-positioned) and rag stay native; past 4x only they run
+        factors = {m: _rope_factor(m, ctx.n_tokens, max(longest, ingest.RESERVE_TOKENS), window) for m in dict.fromkeys(m for m, _ in grid)}
+        readable = [(m, b) for m, b in grid if factors[m] != _UNREADABLE]
+        rope_of[ci] = {m: f for m, f in factors.items() if f != _UNREADABLE}
         if not readable:
             raise SekvError(
                 f"{ctx.task} at {ctx.length} tokens + question and answer ({longest} tokens) exceeds "
-                f"{lm.model_id}'s context window of {window}; use shorter --lengths or --methods sekv"
+                f"{rope_scaling.MAX_FACTOR}x {lm.model_id}'s context window of {window} (YaRN); use shorter --lengths or --methods sekv"
             )
         if len(readable) < len(grid):
             left = sorted({m for m, _ in grid} - {m for m, _ in readable})
-            reporter.warn(f"{ctx.task} at {ctx.length} tokens: past {lm.model_id}'s window of {window}; not run for {', '.join(left)}")
+            reporter.warn(f"{ctx.task} at {ctx.length} tokens: past {rope_scaling.MAX_FACTOR}x {lm.model_id}'s window of {window} "
+                          f"(YaRN); not run for {', '.join(left)}")
         for pi, p in enumerate(ctx.probes):
             for m, b in readable:
                 outcome.cells += 1
@@ -278,116 +291,129 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
         reporter.context(ctx, len(pend))
         doc_text = prompt.document_prefix(tok, ctx.document)
         ids = torch.tensor(prompt.encode(tok, doc_text))
-        pend_methods = {(m, b) for _, m, b in pend}
-        need_s = any(methods.get(variants.parse(m).method).needs_surprisal for m, _ in pend_methods)
-        reporter.stage(f"prefill {ids.numel()} tokens")
-        t0 = time.perf_counter()
         past = window and ctx.n_tokens + max(len(q) + _max_new(cfg, p) for q, p in zip(q_ids[ci], ctx.probes)) > window
-        if past:  # only windowed methods are pending: the document prefilled in windows, as `sekv ingest` does
-            pre, prefill_with = _windowed_prefills(lm, ctx, ids.tolist(), need_s, pend_methods, window)
-        else:
-            pre, prefill_with = _prefill_for(model, tok, ids, doc_text, need_s, pend_methods)
-        prefill_s = time.perf_counter() - t0
-        outcome.prefills += 1
-        stamp = _fingerprint(pre)
-
-        for m, b in grid:
-            todo = [pi for pi, mm, bb in pend if mm == m and bb == b]
-            if not todo:
-                continue
-            variant = variants.parse(m)
-            method = methods.get(variant.method)
-            label = m if b is None else f"{m}@{b:g}"
-            base_rec = {
-                "task": ctx.task, "length": ctx.length, "depth": ctx.depth, "seed": ctx.seed, "method": m, "budget": b,
-                "base_method": variant.method, "variant": m.split(":", 1)[1] if ":" in m else None,
-                "overrides": variant.overrides or None,
-                "model": lm.model_id, "n_tokens": int(ids.numel()), "prefill_s": round(prefill_s, 4),
-                "prefill_tok_per_s": round(ids.numel() / max(prefill_s, 1e-9), 1), "prefill_with": prefill_with,
-                "sekv_version": __version__,
-                "machine": machine, "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-            }
+        # one prefill per RoPE scaling: the "window" methods at their YaRN factor first (full is the reference), with the
+        # model switched back to native before anything else; then the rest at native RoPE (windowed past the window)
+        phases: dict[float | None, list[tuple[int, str, float | None]]] = {}
+        for pi, m, b in pend:
+            phases.setdefault(rope_of[ci][m], []).append((pi, m, b))
+        for factor in sorted(phases, key=lambda f: f is None):
+            group = phases[factor]
+            models.set_rope_scaling(lm, factor)
             try:
-                params = method.resolve_params(variant.params(b))
-                reporter.stage(f"{label}: compress")
-                torch.manual_seed(cfg.seed)
-                t1 = time.perf_counter()
-                if past:
-                    made = method.compress_windows(iter([_view_for(w, method, params) for w in pre]), params)
+                ask_window = models.context_window(lm.config)  # W x F under YaRN
+                pend_methods = {(m, b) for _, m, b in group}
+                need_s = any(methods.get(variants.parse(m).method).needs_surprisal for m, _ in pend_methods)
+                reporter.stage(f"prefill {ids.numel()} tokens" + (f" (YaRN x{factor:g})" if factor else ""))
+                t0 = time.perf_counter()
+                windowed = past and factor is None
+                if windowed:  # sekv (and rag) past the window: the document prefilled in windows, as `sekv ingest` does
+                    pre, prefill_with = _windowed_prefills(lm, ctx, ids.tolist(), need_s, pend_methods, window)
                 else:
-                    made = method.compress(_view_for(pre, method, params), params)
-                tensors = {k: v.cpu() for k, v in made.items()}
-                compress_s = time.perf_counter() - t1
-                if _fingerprint(pre) != stamp:  # every later method would see corrupted K/V
-                    raise SharedPrefillModified(f"method '{m}' changed the prefill's K/V in place in compress(); the benchmark shares one "
-                                    "prefill between methods, so its results would be wrong: make compress() copy before writing")
-                t2 = time.perf_counter()
-                memory = method.open(DictStore(tensors), params, shape, device)
-                open_s = time.perf_counter() - t2
-                start = memory.n_tokens()
-            except SharedPrefillModified:
-                raise
-            except Exception as e:  # a broken method must not stop the sweep; the cells are retried next run
-                msg = f"{label} on {ctx.task}/{ctx.length}/{ctx.depth}: {type(e).__name__}: {e}"
-                outcome.errors.append(msg)
-                reporter.warn(msg)
-                for pi in todo:
-                    results.append({**base_rec, "item": ctx.probes[pi].item, "error": f"{type(e).__name__}: {e}"})
-                    reporter.cell({})
-                continue
-            for pi in todo:
-                probe = ctx.probes[pi]
-                pkey = _probe_key(ctx.task, probe.item, ctx.length, ctx.depth, ctx.seed, lm.model_id)
-                rec = {**base_rec, "item": probe.item, "params": params.to_dict()}
-                try:
-                    reporter.stage(f"{label}: answer")
-                    start = start_ask(memory, start, window, len(q_ids[ci][pi]) + _max_new(cfg, probe))
-                    load = _load_avg()
-                    ans_ids, stats = generate(model, memory, q_ids[ci][pi], max_new_tokens=_max_new(cfg, probe), stop_ids=stop_ids, question=probe.question)
-                    extra = memory.step_stats().extra
-                    memory.truncate(start)
-                except Exception as e:
-                    msg = f"{label} on {ctx.task}/{ctx.length}/{ctx.depth}: {type(e).__name__}: {e}"
-                    outcome.errors.append(msg)
-                    reporter.warn(msg)
-                    results.append({**rec, "error": f"{type(e).__name__}: {e}"})
-                    reporter.cell({})
-                    continue
-                answer = tok.decode(ans_ids, skip_special_tokens=True).strip()
-                correct, frac = scoring.score(answer, probe)
-                if m == REFERENCE:
-                    reference[pkey] = ans_ids
-                ref = reference.get(pkey)
-                rec.update(
-                    question=probe.question,
-                    expected=probe.expected,
-                    answer=answer,
-                    answer_ids=ans_ids,
-                    correct=bool(correct),
-                    score=frac,
-                    identical_to_full=None if ref is None else ans_ids == ref,
-                    resident_kv_bytes_peak=stats.resident_kv_bytes_peak,
-                    full_kv_bytes=stats.full_kv_bytes,
-                    resident_fraction=stats.resident_kv_bytes_peak / max(stats.full_kv_bytes, 1),
-                    ttft_s=round(stats.ttft_s, 5),
-                    decode_s=round(stats.decode_s, 5),
-                    tokens_per_s=round(stats.tokens_per_s, 3),
-                    question_tokens=stats.question_tokens,
-                    generated_tokens=stats.generated_tokens,
-                    stop_reason=stats.stop_reason,
-                    compress_s=round(compress_s, 4),
-                    open_s=round(open_s, 4),
-                    gpu_peak_bytes=stats.gpu_peak_bytes,
-                    rss_bytes=stats.rss_bytes,
-                    method_stats=method_stats(extra),
-                    load_avg_1m=load,
-                    time=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                )
-                results.append(rec)
-                outcome.added += 1
-                reporter.cell(rec)
-            del memory, tensors  # freed by reference counting (gc.collect() here costs more than a tiny cell)
-        del pre
+                    pre, prefill_with = _prefill_for(model, tok, ids, doc_text, need_s, pend_methods)
+                prefill_s = time.perf_counter() - t0
+                outcome.prefills += 1
+                stamp = _fingerprint(pre)
+
+                for m, b in grid:
+                    todo = [pi for pi, mm, bb in group if mm == m and bb == b]
+                    if not todo:
+                        continue
+                    variant = variants.parse(m)
+                    method = methods.get(variant.method)
+                    label = m if b is None else f"{m}@{b:g}"
+                    base_rec = {
+                        "task": ctx.task, "length": ctx.length, "depth": ctx.depth, "seed": ctx.seed, "method": m, "budget": b,
+                        "base_method": variant.method, "variant": m.split(":", 1)[1] if ":" in m else None,
+                        "overrides": variant.overrides or None,
+                        "model": lm.model_id, "n_tokens": int(ids.numel()), "prefill_s": round(prefill_s, 4),
+                        "prefill_tok_per_s": round(ids.numel() / max(prefill_s, 1e-9), 1), "prefill_with": prefill_with, "rope_factor": factor,
+                        "sekv_version": __version__,
+                        "machine": machine, "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+                    }
+                    try:
+                        params = method.resolve_params(variant.params(b))
+                        reporter.stage(f"{label}: compress")
+                        torch.manual_seed(cfg.seed)
+                        t1 = time.perf_counter()
+                        if windowed:
+                            made = method.compress_windows(iter([_view_for(w, method, params) for w in pre]), params)
+                        else:
+                            made = method.compress(_view_for(pre, method, params), params)
+                        tensors = {k: v.cpu() for k, v in made.items()}
+                        compress_s = time.perf_counter() - t1
+                        if _fingerprint(pre) != stamp:  # every later method would see corrupted K/V
+                            raise SharedPrefillModified(f"method '{m}' changed the prefill's K/V in place in compress(); the benchmark shares one "
+                                            "prefill between methods, so its results would be wrong: make compress() copy before writing")
+                        t2 = time.perf_counter()
+                        memory = method.open(DictStore(tensors), params, shape, device)
+                        open_s = time.perf_counter() - t2
+                        start = memory.n_tokens()
+                    except SharedPrefillModified:
+                        raise
+                    except Exception as e:  # a broken method must not stop the sweep; the cells are retried next run
+                        msg = f"{label} on {ctx.task}/{ctx.length}/{ctx.depth}: {type(e).__name__}: {e}"
+                        outcome.errors.append(msg)
+                        reporter.warn(msg)
+                        for pi in todo:
+                            results.append({**base_rec, "item": ctx.probes[pi].item, "error": f"{type(e).__name__}: {e}"})
+                            reporter.cell({})
+                        continue
+                    for pi in todo:
+                        probe = ctx.probes[pi]
+                        pkey = _probe_key(ctx.task, probe.item, ctx.length, ctx.depth, ctx.seed, lm.model_id)
+                        rec = {**base_rec, "item": probe.item, "params": params.to_dict()}
+                        try:
+                            reporter.stage(f"{label}: answer")
+                            start = start_ask(memory, start, ask_window, len(q_ids[ci][pi]) + _max_new(cfg, probe))
+                            load = _load_avg()
+                            ans_ids, stats = generate(model, memory, q_ids[ci][pi], max_new_tokens=_max_new(cfg, probe), stop_ids=stop_ids, question=probe.question)
+                            extra = memory.step_stats().extra
+                            memory.truncate(start)
+                        except Exception as e:
+                            msg = f"{label} on {ctx.task}/{ctx.length}/{ctx.depth}: {type(e).__name__}: {e}"
+                            outcome.errors.append(msg)
+                            reporter.warn(msg)
+                            results.append({**rec, "error": f"{type(e).__name__}: {e}"})
+                            reporter.cell({})
+                            continue
+                        answer = tok.decode(ans_ids, skip_special_tokens=True).strip()
+                        correct, frac = scoring.score(answer, probe)
+                        if m == REFERENCE:
+                            reference[pkey] = ans_ids
+                        ref = reference.get(pkey)
+                        rec.update(
+                            question=probe.question,
+                            expected=probe.expected,
+                            answer=answer,
+                            answer_ids=ans_ids,
+                            correct=bool(correct),
+                            score=frac,
+                            identical_to_full=None if ref is None else ans_ids == ref,
+                            resident_kv_bytes_peak=stats.resident_kv_bytes_peak,
+                            full_kv_bytes=stats.full_kv_bytes,
+                            resident_fraction=stats.resident_kv_bytes_peak / max(stats.full_kv_bytes, 1),
+                            ttft_s=round(stats.ttft_s, 5),
+                            decode_s=round(stats.decode_s, 5),
+                            tokens_per_s=round(stats.tokens_per_s, 3),
+                            question_tokens=stats.question_tokens,
+                            generated_tokens=stats.generated_tokens,
+                            stop_reason=stats.stop_reason,
+                            compress_s=round(compress_s, 4),
+                            open_s=round(open_s, 4),
+                            gpu_peak_bytes=stats.gpu_peak_bytes,
+                            rss_bytes=stats.rss_bytes,
+                            method_stats=method_stats(extra),
+                            load_avg_1m=load,
+                            time=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                        )
+                        results.append(rec)
+                        outcome.added += 1
+                        reporter.cell(rec)
+                    del memory, tensors  # freed by reference counting (gc.collect() here costs more than a tiny cell)
+                del pre
+            finally:
+                models.set_rope_scaling(lm, None)
     return outcome
 
 
@@ -467,12 +493,16 @@ def _view_for(pre, method, params):
     return dataclasses.replace(pre, scores=cut)
 
 
-def _reaches(m: str, n_tokens: int, window: int) -> bool:
+_UNREADABLE = -1.0
+
+
+def _rope_factor(m: str, n_tokens: int, reserve: int, window: int) -> float | None:
+    """The RoPE scaling `sekv ingest` would give method m for this context (None: native; a YaRN factor for a "window"
+    method past the window), or _UNREADABLE past what YaRN auto carries (sekv_core/rope_scaling.py)."""
     try:
-        reach.check(variants.parse(m).method, n_tokens, window, "")
-    except SekvError:
-        return False
-    return True
+        return rope_scaling.plan(methods.get(variants.parse(m).method), n_tokens, window, "auto", reserve=reserve)
+    except DocumentError:
+        return _UNREADABLE
 
 
 def _probe_key(task, item, length, depth, seed, model) -> str:
