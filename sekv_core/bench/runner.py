@@ -249,6 +249,8 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
     machine = machine_info(device)
     models.set_rope_scaling(lm, None)  # plan against the native window, whatever an earlier run left
     window = models.context_window(lm.config)
+    native_rp = models.native_rope(model)[0]  # a model whose native RoPE is already scaled cannot take YaRN (set_rope_scaling)
+    scalable = isinstance(native_rp, dict) and native_rp.get("rope_type", "default") == "default"
 
     reporter.stage("generating tasks")
     contexts = plan_contexts(tok, cfg)
@@ -264,6 +266,7 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
         # past the window, "window" methods read the context with YaRN as `sekv ingest` would (rope_scaling.plan with
         # ingest's reserve: factor <= 4); sekv (re-positioned) and rag stay native; past 4x only they run
         factors = {m: _rope_factor(m, ctx.n_tokens, max(longest, ingest.RESERVE_TOKENS), window) for m in dict.fromkeys(m for m, _ in grid)}
+        factors = {m: f if f is None or scalable else _UNREADABLE for m, f in factors.items()}
         readable = [(m, b) for m, b in grid if factors[m] != _UNREADABLE]
         rope_of[ci] = {m: f for m, f in factors.items() if f != _UNREADABLE}
         if not readable:
