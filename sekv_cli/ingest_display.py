@@ -61,4 +61,9 @@ def ingest_progress(enabled: bool = True):
         return
     cols = (SpinnerColumn(), TextColumn("[bold]{task.description:<9}"), BarColumn(), TextColumn("{task.fields[detail]}"))
     with Progress(*cols, console=err, transient=False) as p:
-        yield IngestView(p)
+        view = IngestView(p)
+        try:
+            yield view
+        except BaseException:  # the error is the one line left (sekv: error: ...): no half-drawn display above it
+            p.remove_task(view.task)
+            raise

@@ -150,7 +150,7 @@ def _layer_tensors(prefill: PrefillResult, params: SekvParams, li: int, pos, sid
         kx = rope.undo(kx, *cos_sin)
     opts = dict(rank_max=params.rank_max, int8=params.factors_8bit, dtype=getattr(torch, params.factor_dtype), method=params.svd)
     keep_k = keep_v = None
-    if trained is not None:  # the trained rank gate G chooses each block's components (sekv/rank_gate.py)
+    if trained is not None and span_len.numel():  # the trained rank gate G chooses each block's components (sekv/rank_gate.py)
         depth = li / max(L - 1, 1)
         keep_k = trained.gate.keep(kbar.float(), span_len, False, depth)
         keep_v = trained.gate.keep(out[f"coarse.v.{li}"].float(), span_len, True, depth)
