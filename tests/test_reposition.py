@@ -130,10 +130,10 @@ def tiny_window(tmp_path_factory):
 @pytest.fixture(scope="module")
 def long_packs(tiny_window, tmp_path_factory):
     """Packs of ~2,800 tokens for a 512-position model: sekv's ingested in windows (sekv_core/windows.py); full's
-    and snapkv's in one prefill planned as if the window were larger (SEKV_INGEST_WINDOW: RoPE is math past the
-    window), as a pack made elsewhere would be."""
+    and snapkv's in one prefill planned as if the window were larger (SEKV_INGEST_WINDOW, and native RoPE where
+    ingest would choose YaRN: RoPE is math past the window), as a pack made elsewhere would be."""
     from conftest import SAMPLE_MD
-    from sekv_core import ingest
+    from sekv_core import ingest, rope_scaling
     from test_cli import run
 
     d = tmp_path_factory.mktemp("long")
@@ -146,6 +146,7 @@ def long_packs(tiny_window, tmp_path_factory):
         with pytest.MonkeyPatch.context() as mp:
             if method != "sekv":
                 mp.setenv(ingest.WINDOW_ENV, "100000")
+                mp.setattr(rope_scaling, "plan", lambda *a, **k: None)  # native RoPE past the window: made elsewhere
             code, _, err = run("ingest", doc, "-o", out[method], "--model", tiny_window, "--method", method, "-q")
         assert code == 0, err
     return out
