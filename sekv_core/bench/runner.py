@@ -41,7 +41,7 @@ from .. import __version__, ingest, methods, models, prompt, rope_scaling
 from ..errors import DocumentError, SekvError
 from ..generate import generate
 from ..methods import scores as prefill_scores
-from ..methods.base import DictStore, ModelShape
+from ..methods.base import DictStore, ModelShape, PrefillResult
 from ..documents import Document, PageSpan
 from ..prefill import prefill, prefill_window
 from ..session import start_ask
@@ -339,8 +339,11 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
                         reporter.stage(f"{label}: compress")
                         torch.manual_seed(cfg.seed)
                         t1 = time.perf_counter()
-                        if windowed:
+                        if windowed and method.length_policy == "windowed":
                             made = method.compress_windows(iter([_view_for(w, method, params) for w in pre]), params)
+                        elif windowed:  # rag: no KV at ingest, the whole document's text statistics (as ingest.py)
+                            made = method.compress(PrefillResult(ids, [], [], None, shape, scores=dict(pre[0].scores), model_fingerprint=lm.fingerprint,
+                                                                 model_id=lm.model_id, model=model), params)
                         else:
                             made = method.compress(_view_for(pre, method, params), params)
                         tensors = {k: v.cpu() for k, v in made.items()}
