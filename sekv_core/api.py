@@ -144,7 +144,7 @@ def _load(model: str | models.LoadedModel | None, default: str, device: str | No
 
 
 def ingest(
-    path: str | Path,
+    path: str | Path | list[str | Path],
     out: str | Path | None = None,
     *,
     method: str | None = None,
@@ -158,8 +158,9 @@ def ingest(
     """Read the document at ``path`` (.pdf, .txt, .md) once and write its context pack to ``out`` (default: beside
     it, suffix .sekv).  ``model``: an embedded model name, a local Hugging Face directory or a loaded model;
     ``params``: further method parameters (as the CLI's options); ``system``: the system prompt to prefill with the
-    document (None: the default); ``rope_scaling``: "auto", "none" or "yarn:F" (sekv_core/rope_scaling.py)."""
-    from .documents import load_document
+    document (None: the default); ``rope_scaling``: "auto", "none" or "yarn:F" (sekv_core/rope_scaling.py).
+    A list of paths (files, folders) makes one pack of several documents (documents.load_corpus; needs ``out``)."""
+    from .documents import load_corpus
     from .ingest import ingest as run_ingest
 
     method = method or methods.DEFAULT_METHOD
@@ -168,9 +169,9 @@ def ingest(
     from .rope_scaling import parse
 
     parse(rope_scaling)
-    load_document(path)  # a bad document fails before the model loads
+    doc = load_corpus(list(path) if isinstance(path, (list, tuple)) else [path])  # a bad document fails before the model loads
     lm = _load(model, models.DEFAULT_MODEL, device)
-    return run_ingest(path, out, lm=lm, method=method, params=resolved, system=system, rope_scaling=rope_scaling)
+    return run_ingest(doc, out, lm=lm, method=method, params=resolved, system=system, rope_scaling=rope_scaling)
 
 
 def open(  # noqa: A001 - `sekv.open(path)` reads like the builtin on purpose
