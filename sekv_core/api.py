@@ -71,6 +71,7 @@ class Evidence:
     text: str
     share: float = 0.0  # its share of the answer's zoom reads of document passages
     rank: int = 0  # 1 = the most read (ties: the question's ranking)
+    file: str | None = None  # in a pack of several documents: the one the passage is in (page is that document's)
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class Result:
             d["sampling"] = asdict(self.sampling)
         if self.zoom is not None:
             d["zoom"] = self.zoom
-            d["evidence"] = [asdict(e) | {"tokens": list(e.tokens)} for e in self.evidence]
+            d["evidence"] = [{k: v for k, v in asdict(e).items() if k != "file" or v is not None} | {"tokens": list(e.tokens)} for e in self.evidence]
         return d
 
 
@@ -116,7 +117,7 @@ def result_of(session: Session, answer: Answer, question: str, sampling: Samplin
         tokens=Tokens(session.base_tokens, s.question_tokens, s.generated_tokens, tuple(answer.token_ids), s.stop_reason),
         timings=Timings(round(session.load_s, 4), s.ttft_s, s.decode_s, s.tokens_per_s),
         memory=MemoryUse(s.resident_kv_bytes_peak, s.full_kv_bytes, s.resident_kv_bytes_peak / max(s.full_kv_bytes, 1), s.gpu_peak_bytes, s.rss_bytes),
-        evidence=[Evidence(r["span"], tuple(r["tokens"]), r["page"], r["zoom_count"], r["text"], r["share"], r["rank"]) for r in rows],
+        evidence=[Evidence(r["span"], tuple(r["tokens"]), r["page"], r["zoom_count"], r["text"], r["share"], r["rank"], r.get("file")) for r in rows],
         zoom=extra if s.extra else None,
         pack=str(session.pack.path),
         model=session.lm.model_id,
