@@ -38,7 +38,7 @@ def ingest(
     device: str = DeviceOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),
     force: bool = typer.Option(False, "--force", help="let -o replace an existing file that is not a sekv pack"),
-    max_input_mb: float = typer.Option(256, "--max-input-mb", help="the largest document read, in MiB (several: in all)"),
+    max_input_mb: float = typer.Option(256, "--max-input-mb", help="the largest document read, in MiB (several: each file, and their text joined)"),
     glob: str = typer.Option(None, "--glob", help="the files read in a folder, comma-separated patterns (default: *.pdf,*.txt,*.md)"),
     system: str = typer.Option(None, "--system", help="system prompt, prefilled into the pack with the document and used by every ask (default: answer from the document only); --system-file FILE reads it from a file"),
     system_file: Path = typer.Option(None, "--system-file", help="read the --system prompt from a UTF-8 text file"),
