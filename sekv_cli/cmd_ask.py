@@ -129,7 +129,7 @@ def run_question(
         if not rows:
             err.print(Text("no zoomed passages (this method does not zoom, or nothing was expanded)", style="dim"))
         for r in rows[:5]:
-            err.print(Text.assemble((evidence_label(r), "bold"), " ", safe(r["text"])))
+            err.print(Text.assemble((safe_line(evidence_label(r)), "bold"), " ", safe(r["text"])))
     return answer
 
 

@@ -56,7 +56,7 @@ def show_sources(session, answer) -> None:
     if not rows:
         say(("no zoomed passages ", "dim"), f"(method {session.method} does not zoom, or nothing was expanded)")
     for r in rows[:5]:
-        say((evidence_label(r), "bold"), " ", safe(r["text"]))
+        say((safe_line(evidence_label(r)), "bold"), " ", safe(r["text"]))
 
 
 def save(reader: LineReader, session, exchanges: list[transcript.Exchange], arg: str) -> None:

@@ -20,7 +20,8 @@ from .ingest_display import ingest_progress
 
 @user_errors
 def ingest(
-    document: Path = typer.Argument(..., help="a .pdf, .txt or .md file, or - to read standard input (needs -o)"),
+    documents: list[Path] = typer.Argument(..., help="a .pdf, .txt or .md file, or - to read standard input (needs -o); "
+                                           "several files or folders make one pack (needs -o)", metavar="DOC..."),
     output: Path = typer.Option(None, "--output", "-o", help="pack path (default: DOC with suffix .sekv, beside it)"),
     model: str = ModelOpt,
     method: str = MethodOpt,
@@ -37,7 +38,8 @@ def ingest(
     device: str = DeviceOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),
     force: bool = typer.Option(False, "--force", help="let -o replace an existing file that is not a sekv pack"),
-    max_input_mb: float = typer.Option(256, "--max-input-mb", help="the largest document read, in MiB"),
+    max_input_mb: float = typer.Option(256, "--max-input-mb", help="the largest document read, in MiB (several: each file, and their text joined)"),
+    glob: str = typer.Option(None, "--glob", help="the files read in a folder, comma-separated patterns (default: *.pdf,*.txt,*.md)"),
     system: str = typer.Option(None, "--system", help="system prompt, prefilled into the pack with the document and used by every ask (default: answer from the document only); --system-file FILE reads it from a file"),
     system_file: Path = typer.Option(None, "--system-file", help="read the --system prompt from a UTF-8 text file"),
 ) -> None:
@@ -45,7 +47,7 @@ def ingest(
     method = method or methods.DEFAULT_METHOD
     overrides = method_overrides(budget, router, routing) | ({"factor_bits": factor_bits} if factor_bits is not None else {})
     params = methods.get(method).resolve_params(overrides)
-    from sekv_core.documents import load_document
+    from sekv_core.documents import DEFAULT_GLOB, load_corpus
     from sekv_core.errors import stage
     from sekv_core.ingest import default_pack_path
     from sekv_core.pack import prepare_output
@@ -56,13 +58,16 @@ def ingest(
     rope_scale.parse(rope_scaling)  # a bad value fails before the model loads
     if max_input_mb <= 0:
         raise SekvError(f"--max-input-mb must be positive, not {max_input_mb:g}")
-    if str(document) == "-" and output is None:
+    if len(documents) > 1 and output is None:
+        raise SekvError("several documents make one pack: name it with -o PACK")
+    if str(documents[0]) == "-" and output is None:
         raise SekvError("reading the document from standard input (-) needs -o PACK")
-    with stage("load"):
-        doc = load_document(document, max_bytes=int(max_input_mb * 2**20))  # a bad document fails before the model loads
+    with stage("load"):  # a bad document fails before the model loads
+        doc = load_corpus(documents, glob or DEFAULT_GLOB, max_bytes=int(max_input_mb * 2**20))
     if output is None and doc.path is None:
-        raise SekvError("reading the document from standard input (-) needs -o PACK")
-    prepare_output(output or default_pack_path(doc.path), force=force, inputs=[doc.path] if doc.path else []).discard()  # before the model loads
+        raise SekvError("reading a folder or standard input (-) needs -o PACK")
+    inputs = [p.path for p in doc.parts if p.path] or ([doc.path] if doc.path else [])
+    prepare_output(output or default_pack_path(doc.path), force=force, inputs=inputs).discard()  # before the model loads
     with ingest_progress(not quiet) as view:
         with stage("model load"):
             lm = models.load(model or models.DEFAULT_MODEL, device=device, progress=view.model if view else None)

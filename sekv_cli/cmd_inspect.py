@@ -33,13 +33,16 @@ def inspect(
     doc = m["document"]
     rows = [
         ("pack", f"{pack} (format v{m['format_version']}, {human_bytes(m['file_bytes'])}, created {m['created']})"),
-        ("document", f"{doc['name']} ({doc['kind']}, {doc['n_pages']} page(s), sha256 {doc['sha256'][:12]}...)"),
+        ("document", f"{doc['name']} ({doc['kind']}, {doc['n_pages']} page(s), sha256 {doc['sha256'][:12]}...)"
+         if "parts" not in doc else f"{len(doc['parts'])} documents ({doc['n_pages']} page(s), sha256 {doc['sha256'][:12]}...)"),
         ("tokens", str(m["n_tokens"])),
         ("model", f"{m['model']['id']} ({m['model']['dtype']}, fingerprint {m['model']['fingerprint'][:12]})"),
         ("positions", rope_text(m["model"])),
         ("method", f"{m['method']} {json.dumps(m['method_params'])}"),
         ("size", f"{human_bytes(m['file_bytes'])} = {100 * m['file_bytes'] / max(raw, 1):.1f}% of the raw fp16 KV cache ({human_bytes(raw)})"),
     ]
+    for i, part in enumerate(doc.get("parts") or [], 1):  # several documents (ingest a.pdf notes/ -o OUT)
+        rows.append((f"document {i}", f"{part['name']} ({part['kind']}, {part['n_pages']} page(s), tokens {part['token_start']}-{part['token_end']})"))
     if isinstance(m.get("system"), str):  # prefilled with the document (ingest --system)
         rows.append(("system prompt", m["system"] if len(m["system"]) <= 200 else m["system"][:197] + "..."))
     rows += [(k.replace("_", " "), v if isinstance(v, str) else json.dumps(v)) for k, v in details.items()]

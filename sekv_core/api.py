@@ -71,6 +71,7 @@ class Evidence:
     text: str
     share: float = 0.0  # its share of the answer's zoom reads of document passages
     rank: int = 0  # 1 = the most read (ties: the question's ranking)
+    file: str | None = None  # in a pack of several documents: the one the passage is in (page is that document's)
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class Result:
             d["sampling"] = asdict(self.sampling)
         if self.zoom is not None:
             d["zoom"] = self.zoom
-            d["evidence"] = [asdict(e) | {"tokens": list(e.tokens)} for e in self.evidence]
+            d["evidence"] = [{k: v for k, v in asdict(e).items() if k != "file" or v is not None} | {"tokens": list(e.tokens)} for e in self.evidence]
         return d
 
 
@@ -116,7 +117,7 @@ def result_of(session: Session, answer: Answer, question: str, sampling: Samplin
         tokens=Tokens(session.base_tokens, s.question_tokens, s.generated_tokens, tuple(answer.token_ids), s.stop_reason),
         timings=Timings(round(session.load_s, 4), s.ttft_s, s.decode_s, s.tokens_per_s),
         memory=MemoryUse(s.resident_kv_bytes_peak, s.full_kv_bytes, s.resident_kv_bytes_peak / max(s.full_kv_bytes, 1), s.gpu_peak_bytes, s.rss_bytes),
-        evidence=[Evidence(r["span"], tuple(r["tokens"]), r["page"], r["zoom_count"], r["text"], r["share"], r["rank"]) for r in rows],
+        evidence=[Evidence(r["span"], tuple(r["tokens"]), r["page"], r["zoom_count"], r["text"], r["share"], r["rank"], r.get("file")) for r in rows],
         zoom=extra if s.extra else None,
         pack=str(session.pack.path),
         model=session.lm.model_id,
@@ -144,7 +145,7 @@ def _load(model: str | models.LoadedModel | None, default: str, device: str | No
 
 
 def ingest(
-    path: str | Path,
+    path: str | Path | list[str | Path],
     out: str | Path | None = None,
     *,
     method: str | None = None,
@@ -158,8 +159,9 @@ def ingest(
     """Read the document at ``path`` (.pdf, .txt, .md) once and write its context pack to ``out`` (default: beside
     it, suffix .sekv).  ``model``: an embedded model name, a local Hugging Face directory or a loaded model;
     ``params``: further method parameters (as the CLI's options); ``system``: the system prompt to prefill with the
-    document (None: the default); ``rope_scaling``: "auto", "none" or "yarn:F" (sekv_core/rope_scaling.py)."""
-    from .documents import load_document
+    document (None: the default); ``rope_scaling``: "auto", "none" or "yarn:F" (sekv_core/rope_scaling.py).
+    A list of paths (files, folders) makes one pack of several documents (documents.load_corpus; needs ``out``)."""
+    from .documents import load_corpus
     from .ingest import ingest as run_ingest
 
     method = method or methods.DEFAULT_METHOD
@@ -168,9 +170,9 @@ def ingest(
     from .rope_scaling import parse
 
     parse(rope_scaling)
-    load_document(path)  # a bad document fails before the model loads
+    doc = load_corpus(list(path) if isinstance(path, (list, tuple)) else [path])  # a bad document fails before the model loads
     lm = _load(model, models.DEFAULT_MODEL, device)
-    return run_ingest(path, out, lm=lm, method=method, params=resolved, system=system, rope_scaling=rope_scaling)
+    return run_ingest(doc, out, lm=lm, method=method, params=resolved, system=system, rope_scaling=rope_scaling)
 
 
 def open(  # noqa: A001 - `sekv.open(path)` reads like the builtin on purpose

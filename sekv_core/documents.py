@@ -59,6 +59,7 @@ class Document:
     text: str
     sha256: str  # hex sha256 of the file's bytes
     pages: tuple[PageSpan, ...]
+    parts: tuple["Part", ...] = ()  # a corpus (load_corpus): the documents it joins, in order; () for one document
 
     def page_at(self, char_offset: int) -> int:
         """Page number containing ``char_offset`` (binary search over spans).
@@ -84,6 +85,21 @@ class Document:
             if j == len(pages):
                 j = i
         return pages[j].page
+
+
+@dataclass(frozen=True)
+class Part:
+    """One document of a corpus: where its heading line and text lie in the corpus's text, and its pages there
+    (numbered on through the corpus: this part's page p is the corpus's page ``first_page + p - 1``)."""
+
+    path: Path | None
+    name: str  # as the heading line shows it: the path as given, on one line
+    kind: str
+    sha256: str
+    n_pages: int
+    first_page: int
+    start: int  # char offset of the heading line in the corpus text
+    end: int  # char offset where the document's text ends
 
 
 def _span_start(span: PageSpan) -> int:
@@ -322,3 +338,73 @@ def _read_pdf_quietly(data: bytes, shown: str) -> tuple[str, tuple[PageSpan, ...
             "run OCR on it first (e.g. ocrmypdf in.pdf out.pdf)",
         )
     return text, tuple(spans)
+
+
+# --------------------------------------------------------------------------
+# several documents: one corpus
+
+DEFAULT_GLOB = ",".join("*" + s for s in SUPPORTED_SUFFIXES)
+PART_HEADING = "## file: "
+"""Each document of a corpus is introduced by a line ``## file: NAME`` so the model can tell them apart."""
+PART_SEPARATOR = "\n\n"
+
+
+def corpus_files(inputs: list[str | Path], glob: str = DEFAULT_GLOB) -> list[str | Path]:
+    """The files several inputs name, in order: a file as given, a folder's files matching ``glob`` (comma-separated
+    patterns, matched on file names; subfolders read recursively, symlinked folders not followed) sorted by path,
+    ``-`` (standard input) at most once.  DocumentError for a folder with no matching file or a second ``-``."""
+    import fnmatch
+    import os
+
+    patterns = [g.strip() for g in glob.split(",") if g.strip()]
+    if not patterns:
+        raise DocumentError(f"--glob {glob!r}: give at least one pattern, e.g. {DEFAULT_GLOB}")
+    files: list[str | Path] = []
+    if sum(str(i) == STDIN for i in inputs) > 1:
+        raise DocumentError("standard input (-) can be read only once; name it once among the inputs")
+    for item in inputs:
+        p = Path(item).expanduser() if str(item) != STDIN else None
+        if p is None or not p.is_dir():
+            files.append(item)
+            continue
+        found = []
+        for root, dirs, names in os.walk(p):
+            dirs.sort()
+            found += [Path(root) / n for n in names if any(fnmatch.fnmatch(n, g) for g in patterns)]
+        if not found:
+            raise _error(str(item), f"is a folder with no file matching {','.join(patterns)}; pass files, or another --glob")
+        files += sorted(found, key=lambda f: f.relative_to(p).parts)
+    return files
+
+
+def load_corpus(inputs: list[str | Path], glob: str = DEFAULT_GLOB, max_bytes: int = DEFAULT_MAX_BYTES) -> Document:
+    """Several inputs (files, folders, ``-``) as one document: each file read by :func:`load_document` (its limits
+    and refusals), introduced by a line ``## file: NAME``, joined in order; pages numbered on through the corpus
+    and each document's place in :attr:`Document.parts`.  One file given alone is :func:`load_document`'s document.
+    At most ``max_bytes`` a file, and of joined text."""
+    if len(inputs) == 1 and (str(inputs[0]) == STDIN or not Path(inputs[0]).expanduser().is_dir()):
+        return load_document(inputs[0], max_bytes=max_bytes)
+    files = corpus_files(inputs, glob)
+    texts: list[str] = []
+    pages: list[PageSpan] = []
+    parts: list[Part] = []
+    pos = total = 0
+    for f in files:
+        d = load_document(f, max_bytes=max_bytes)
+        total += len(d.text.encode())
+        if total > max_bytes:
+            raise _error(str(f), f"brings the inputs past the {_size(max_bytes)} limit in all; raise it with --max-input-mb")
+        name = "stdin" if d.path is None else _one_line(str(f)) or d.name
+        if texts:
+            texts.append(PART_SEPARATOR)
+            pos += len(PART_SEPARATOR)
+        heading = f"{PART_HEADING}{name}\n\n"
+        start, body = pos, pos + len(heading)
+        texts += [heading, d.text]
+        pos = body + len(d.text)
+        first = len(pages) + 1
+        pages += [PageSpan(first + i, body + s.start, body + s.end) for i, s in enumerate(d.pages)]
+        parts.append(Part(d.path, name, d.kind, d.sha256, len(d.pages), first, start, pos))
+    digest = hashlib.sha256("".join(f"{q.sha256} {q.name}\n" for q in parts).encode()).hexdigest()
+    label = f"{parts[0].name} and {len(parts) - 1} more" if len(parts) > 1 else parts[0].name
+    return Document(None, label, "corpus", "".join(texts), digest, tuple(pages), tuple(parts))

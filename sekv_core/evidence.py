@@ -17,6 +17,16 @@ def _page_of(token_pages: list[list[int]], pos: int) -> int:
     return token_pages[i][0] if i >= 0 else 0
 
 
+def part_page(parts: list[dict], pos: int, page: int) -> tuple[str | None, int]:
+    """The document of a corpus (manifest document.parts) holding token ``pos``, and ``page`` (the corpus's numbering)
+    as that document's own page; (None, page) for a single document."""
+    if not parts:
+        return None, page
+    i = max(bisect.bisect_right([q["token_start"] for q in parts], pos) - 1, 0)
+    first = 1 + sum(q["n_pages"] for q in parts[:i])
+    return parts[i]["name"], min(max(page - first + 1, 1), max(parts[i]["n_pages"], 1))
+
+
 def document_tokens(token_pages: list[list[int]], n_tokens: int) -> tuple[int, int]:
     """[start, end) of the document's own tokens in a pack: the runs of the token -> page map on a page (>= 1);
     the whole pack where the map has none."""
@@ -27,7 +37,7 @@ def document_tokens(token_pages: list[list[int]], n_tokens: int) -> tuple[int, i
 
 
 def evidence_rows(session, span_zoom_counts: dict, limit: int = 10, span_order: list[int] | None = None) -> list[dict]:
-    """The most zoomed document passages: their text, page, rank, zoom count and share of the answer's zoom reads,
+    """The most zoomed document passages: their text, page (and file, in a corpus), rank, zoom count and share of the answer's zoom reads,
     most zoomed first; equal counts (a scout ranking expands the same spans in every layer) in the order of
     ``span_order`` (the ranking's)."""
     if not span_zoom_counts or not hasattr(session.memory, "spans"):
@@ -36,6 +46,7 @@ def evidence_rows(session, span_zoom_counts: dict, limit: int = 10, span_order: 
     spans = session.memory.spans()
     ids = session.pack.token_ids
     pages = session.pack.manifest["document"].get("token_pages") or []
+    parts = session.pack.manifest["document"].get("parts") or []
     lo, hi = document_tokens(pages, len(ids))
     clipped = {}
     for sid, count in span_zoom_counts.items():
@@ -47,11 +58,14 @@ def evidence_rows(session, span_zoom_counts: dict, limit: int = 10, span_order: 
     rows = []
     for sid, (a, b, count) in sorted(clipped.items(), key=lambda kv: (-kv[1][2], rank.get(kv[0], len(rank))))[:limit]:
         text = session.lm.tokenizer.decode(ids[a:b], skip_special_tokens=True).strip()
-        rows.append({"rank": len(rows) + 1, "span": sid, "tokens": [a, b], "page": _page_of(pages, a), "zoom_count": count,
-                     "share": round(count / total, 4), "text": " ".join(text.split())})
+        file, page = part_page(parts, a, _page_of(pages, a))
+        rows.append({"rank": len(rows) + 1, "span": sid, "tokens": [a, b], "page": page, "zoom_count": count,
+                     "share": round(count / total, 4), "text": " ".join(text.split())} | ({"file": file} if file is not None else {}))
     return rows
 
 
 def label(row: dict) -> str:
-    """A row's heading as the CLI prints it: '#1 page 3 (25% of the zoom)'."""
-    return f"#{row['rank']} page {row['page']} ({100 * row['share']:.0f}% of the zoom)"
+    """A row's heading as the CLI prints it: '#1 page 3 (25% of the zoom)', '#1 notes/a.pdf page 3 (...)' in a corpus
+    (the name as the pack holds it: print it escaped)."""
+    where = f"{row['file']} page {row['page']}" if row.get("file") is not None else f"page {row['page']}"
+    return f"#{row['rank']} {where} ({100 * row['share']:.0f}% of the zoom)"

@@ -53,14 +53,19 @@ def tokenize_document(lm: models.LoadedModel, doc: Document, system: str | None 
 
 def _tokenize(lm: models.LoadedModel, doc: Document, system: str | None = None) -> tuple[list[int], list[list[int]], int]:
     """tokenize_document(), and the header's length: the tokens before the document's text (every window's opening)."""
+    return _encode(lm, doc, system)[:3]
+
+
+def _encode(lm: models.LoadedModel, doc: Document, system: str | None = None) -> tuple[list[int], list[list[int]], int, list[dict]]:
+    """_tokenize(), and a corpus's documents as the manifest records them (document.parts), their token ranges."""
     text = prompt.document_prefix(lm.tokenizer, doc.text, system)
     doc_start = len(prompt.document_header(lm.tokenizer, system))
     enc = lm.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]
     runs: list[list[int]] = []
     header = len(ids)
-    for i, (a, _b) in enumerate(enc["offset_mapping"]):
-        rel = a - doc_start
+    rels = [a - doc_start for a, _b in enc["offset_mapping"]]
+    for i, rel in enumerate(rels):
         if rel >= 0 and header == len(ids):
             header = i
         page = doc.page_at(rel) if 0 <= rel < len(doc.text) else 0
@@ -68,7 +73,16 @@ def _tokenize(lm: models.LoadedModel, doc: Document, system: str | None = None) 
             runs[-1][2] = i + 1
         else:
             runs.append([page, i, i + 1])
-    return ids, runs, header
+    return ids, runs, header, _part_tokens(doc, rels)
+
+
+def _part_tokens(doc: Document, rels: list[int]) -> list[dict]:
+    """Each corpus document's token range [token_start, token_end): from the token that starts its heading line to
+    where the next document's starts (the last one ends with its text)."""
+    starts = [bisect.bisect_left(rels, p.start) for p in doc.parts]
+    ends = starts[1:] + [bisect.bisect_left(rels, doc.parts[-1].end)] if doc.parts else []
+    return [{"name": p.name, "kind": p.kind, "sha256": p.sha256, "n_pages": p.n_pages, "token_start": a, "token_end": b}
+            for p, a, b in zip(doc.parts, starts, ends)]
 
 
 #: test / measurement knob: plan windows as if the model's context window were this many tokens
@@ -155,17 +169,18 @@ def ingest(
     cache_method = methods.get(method)
     params = cache_method.resolve_params(params)
     if out is None and doc.path is None:
-        raise DocumentError("reading the document from stdin needs -o PACK")
+        raise DocumentError("several documents, a folder or standard input make a pack only with -o PACK (out=)")
     out_path = Path(out) if out else default_pack_path(doc.path)
     with stage("tokenize"):
-        ids, page_runs, header_len = _tokenize(lm, doc, system)
+        ids, page_runs, header_len, parts = _encode(lm, doc, system)
     rope_scale.prepare(lm, cache_method, len(ids), rope_scaling, reserve=RESERVE_TOKENS, what=str(doc.path or doc.name))
     plan = plan_windows(lm, doc, len(ids), cache_method, header_len)
     shape = model_shape(lm)
     raw_fp16 = len(ids) * shape.kv_bytes_per_token(itemsize=2)
     report = _Progress(progress, len(ids), page_runs, len(doc.pages), len(plan))
     needed = int(raw_fp16 * 1.1) if cache_method.needs_prefill else 64 * len(ids)  # rag: token ids and its index, no KV
-    slot = prepare_output(out_path, force=force, inputs=[doc.path] if doc.path else [], needed_bytes=needed + (1 << 20))
+    inputs = [p.path for p in doc.parts if p.path] or ([doc.path] if doc.path else [])
+    slot = prepare_output(out_path, force=force, inputs=inputs, needed_bytes=needed + (1 << 20))
     try:
         needs = cache_method.needs_scores
         text_scores = scores.text_scores(lm.tokenizer, prompt.document_prefix(lm.tokenizer, doc.text, system), ids, needs, system)
@@ -226,7 +241,7 @@ def ingest(
                 "n_chars": len(doc.text),
                 "n_pages": len(doc.pages),
                 "token_pages": page_runs,
-            },
+            } | ({"parts": parts} if parts else {}),
             "system": prompt.SYSTEM if system is None else system,  # prefilled with the document; ask's turns follow it
             "n_tokens": len(ids),
             "token_ids": ids,

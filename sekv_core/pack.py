@@ -473,7 +473,7 @@ MANIFEST_SCHEMA: dict[str, Any] = {
         "shape": {"layers": ("int", 1, 4096), "heads": ("int", 1, 4096), "kv_heads": ("int", 1, 4096), "head_dim": ("int", 1, 4096)},
         "context_window": _NAT,
     },
-    "document": {"name": _STR, "kind": ("choice", ("pdf", "txt", "md")), "sha256": _HEX, "n_chars": _NAT, "n_pages": _NAT, "token_pages": ("list",)},
+    "document": {"name": _STR, "kind": ("choice", ("pdf", "txt", "md", "corpus")), "sha256": _HEX, "n_chars": _NAT, "n_pages": _NAT, "token_pages": ("list",)},
     "n_tokens": ("int", 1, 1 << 24),
     "token_ids": ("list",),
     "sizes": {"raw_kv_fp16_bytes": _NAT, "tensor_bytes": _NAT},
@@ -528,6 +528,7 @@ def check_manifest(pack: Pack) -> None:
                     or not (0 <= r[0] <= pages and prev <= r[1] < r[2] <= n)):
                 raise _damaged("the manifest's token -> page map is out of range")
             prev = r[2]
+        _check_parts(m["document"], n)
         if "system" in m and not (isinstance(m["system"], str) and len(m["system"]) <= 65536):  # prompt.MAX_SYSTEM_CHARS
             raise _damaged("manifest field 'system' has a bad value (not a text of at most 65536 characters)")
         win = m.get("windows", [[0, n]])  # windowed ingest: the token ranges each window kept, in order
@@ -539,6 +540,27 @@ def check_manifest(pack: Pack) -> None:
             raise _damaged("the manifest's model shape is inconsistent (heads not a multiple of kv_heads)")
     except PackError as e:
         raise PackError(f"{pack.path}: {e}") from None
+
+
+_PART = {"name": _STR, "kind": ("choice", ("pdf", "txt", "md")), "sha256": _HEX, "n_pages": _NAT, "token_start": _NAT, "token_end": _NAT}
+
+
+def _check_parts(doc: dict, n: int) -> None:
+    """document.parts (a corpus's documents, optional): each one's fields, token ranges inside [0, n) in order, pages
+    adding up to the corpus's."""
+    if "parts" not in doc:
+        return
+    parts = doc["parts"]
+    if not isinstance(parts, list) or not parts or len(parts) > 1 << 20:
+        raise _damaged("manifest field 'document.parts' is not a list of documents")
+    prev = 0
+    for i, part in enumerate(parts):
+        _check_value(part, _PART, f"document.parts[{i}]")
+        if not prev <= part["token_start"] < part["token_end"] <= n:
+            raise _damaged("the manifest's documents (document.parts) do not lie in the tokens in order")
+        prev = part["token_end"]
+    if sum(p["n_pages"] for p in parts) != doc["n_pages"]:
+        raise _damaged("the manifest's documents (document.parts) do not add up to its pages")
 
 
 def manifest_shape(pack: Pack):
