@@ -208,8 +208,7 @@ def ingest(
             with stage("compress"):
                 tensors = cache_method.compress_windows(window_prefills(), params)
         elif not cache_method.needs_prefill:  # rag: no KV at ingest, only the text's statistics
-            result = PrefillResult(torch.tensor(ids), [], [], None, shape, model_fingerprint=lm.fingerprint, model_id=lm.model_id, model=lm.model)
-            result.scores.update(text_scores)
+            result = PrefillResult.without_kv(torch.tensor(ids), shape, text_scores, lm)
             with stage("compress"):
                 tensors = cache_method.compress(result, params)
             del result

@@ -342,8 +342,7 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
                         if windowed and method.length_policy == "windowed":
                             made = method.compress_windows(iter([_view_for(w, method, params) for w in pre]), params)
                         elif windowed:  # rag: no KV at ingest, the whole document's text statistics (as ingest.py)
-                            made = method.compress(PrefillResult(ids, [], [], None, shape, scores=dict(pre[0].scores), model_fingerprint=lm.fingerprint,
-                                                                 model_id=lm.model_id, model=model), params)
+                            made = method.compress(PrefillResult.without_kv(ids, shape, pre[0].scores, lm), params)
                         else:
                             made = method.compress(_view_for(pre, method, params), params)
                         tensors = {k: v.cpu() for k, v in made.items()}

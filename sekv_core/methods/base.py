@@ -108,6 +108,11 @@ class PrefillResult:
     def n_tokens(self) -> int:
         return int(self.token_ids.numel())
 
+    @classmethod
+    def without_kv(cls, token_ids: torch.Tensor, shape: "ModelShape", scores: dict[str, Any], lm) -> "PrefillResult":
+        """A document's tokens and text statistics with no KV, for a method that prefills nothing at ingest (rag)."""
+        return cls(token_ids, [], [], None, shape, scores=dict(scores), model_fingerprint=lm.fingerprint, model_id=lm.model_id, model=lm.model)
+
 
 @dataclass
 class StepStats:

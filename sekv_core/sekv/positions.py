@@ -59,8 +59,8 @@ class Layout:
         block added, before the units after it, for blocks not kept)."""
         hkv, dev = keep.shape[0], keep.device
         blen = self.block_len.to(dev)
-        zoomed = torch.zeros(hkv, self.S, dtype=torch.long, device=dev).index_add_(1, self.block_span.to(dev), keep.long() * blen.view(1, -1))
-        coarse = (zoomed < self.span_len.to(dev).view(1, -1)).long()
+        _, coarse = self._spans_held(keep)
+        coarse = coarse.long()
         size = torch.cat([torch.ones(hkv, self.F, dtype=torch.long, device=dev), coarse, keep.long() * blen.view(1, -1)], 1)
         order = self.order.to(dev)
         s = size[:, order]
@@ -87,9 +87,16 @@ class Layout:
 
     def tokens(self, keep: torch.Tensor) -> torch.Tensor:
         """Positions a kept set occupies per group [Hkv] (before the question)."""
-        blen = self.block_len.to(keep.device)
-        zoomed = torch.zeros(keep.shape[0], self.S, dtype=torch.long, device=keep.device).index_add_(1, self.block_span.to(keep.device), keep.long() * blen.view(1, -1))
-        return self.F + (zoomed < self.span_len.to(keep.device).view(1, -1)).sum(1) + zoomed.sum(1)
+        zoomed, coarse = self._spans_held(keep)
+        return self.F + coarse.sum(1) + zoomed.sum(1)
+
+    def _spans_held(self, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """keep [Hkv, B] -> (zoomed tokens of each span [Hkv, S], whether its coarse entry is still visible [Hkv, S]:
+        not every one of its tokens zoomed)."""
+        dev = keep.device
+        zoomed = torch.zeros(keep.shape[0], self.S, dtype=torch.long, device=dev).index_add_(
+            1, self.block_span.to(dev), keep.long() * self.block_len.to(dev).view(1, -1))
+        return zoomed, zoomed < self.span_len.to(dev).view(1, -1)
 
 
 def block_positions(first: torch.Tensor, n: int) -> torch.Tensor:
