@@ -78,6 +78,29 @@ def test_scout_masses_equal_full_kv_attention(kind, unit, batched):
     assert torch.allclose(mem.ranking.prio.double(), ref, atol=1e-3), (mem.ranking.prio.double() - ref).abs().max()
 
 
+@pytest.mark.parametrize("chunk", ["pairs", "layers"])
+def test_batched_scout_in_chunks_equals_full_kv_attention(chunk, monkeypatch):
+    """The batched step scores every layer after the question's forward, several layers at once or one layer's
+    (group, span) pairs a few at a time (long contexts): either way the full-KV reference's ranking."""
+    from sekv_core.sekv import gpu_step
+
+    model, res, store, p, mem = _memory("qwen2", capture=False, **{**EXACT, "zoom": "router", "budget": 0.5, "zoom_unit": 3})
+    mem.batched = True
+    seen = []
+
+    def chunking(self, n_pairs, per_pair):
+        seen.append(n_pairs)
+        return (5, 1) if chunk == "pairs" else (2 * n_pairs, 2)
+
+    monkeypatch.setattr(gpu_step.BatchedStep, "_scout_chunk", chunking)
+    queries, keys = _spy(mem)
+    q = torch.tensor([QUESTION])
+    mem.prepare_question(lambda: runtime.forward_hidden(model, q, mem.n_tokens(), mem))
+    assert seen and seen[0] > 5 and mem.shape.n_layers == 2  # several chunks of pairs; both layers in one chunk
+    ref = _reference_sum(queries, keys, res, _blocks(mem))
+    assert torch.allclose(mem.ranking.prio.double(), ref, atol=1e-3), (mem.ranking.prio.double() - ref).abs().max()
+
+
 def test_document_profile_is_the_document_ends_masses():
     """The pack's profiles of spans and of the zoom blocks it was made for; at ask time another unit falls back to
     each block's span profile."""

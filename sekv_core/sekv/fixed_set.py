@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from . import blocks as fb
+from . import rope
 from .budget import ZoomLedger
 from .residents import Residents
 from .scout import Ranking
@@ -100,40 +101,37 @@ class FixedSets:
             self.reuses[layer].add_(1)
             return self._joint_attention(layer, query, scaling, lim, fresh=False)
         self._fold(layer)  # before its recorded stats are replaced
-        keep, words = self._fill(layer)
-        expanded = keep.repeat_interleave(query.shape[1] // self.hkv, 0)
-        keep_s, exp_s = r.span_level(keep), r.span_level(expanded)
-        self.spans[layer].copy_(keep_s.any(0))
-        self.counts[layer].copy_(exp_s.sum(0))
-        self.rate[layer].copy_(exp_s.double().mean())
+        plan = self._plan(key, r.kv.annex_kv(layer)[0].shape[-2], query.shape[1])
+        words = self._fill(layer, plan)
+        self.spans[layer].copy_(plan["keep_s"].any(0))
+        self.counts[layer].copy_(plan["exp_s"].sum(0))
+        self.rate[layer].copy_(plan["exp_s"].double().mean())
         self.filled_for[layer] = key
-        out = self._joint_attention(layer, query, scaling, lim, fresh=True, expanded=expanded)
-        self.ledger.count(layer, keep_s, exp_s, words * 8)
+        out = self._joint_attention(layer, query, scaling, lim, fresh=True, expanded=plan["expanded"])
+        self.ledger.count(layer, plan["keep_s"], plan["exp_s"], words * 8)
         return out
 
-    def _fill(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fetch and rebuild a layer's set into the annex: each KV group keeps the top of the ranking of zoom
-        blocks that fits its U / Hkv rows, written group-major; a block's rows come from its span's factor block.
-        -> (keep [Hkv, B], words moved)."""
+    def _plan(self, key, ug: int, h: int) -> dict:
+        """What a fill takes from the ranking alone, the same for every layer (their block tables and row counts
+        are): each group's top blocks that fit its ug rows, which pair fetches each span, each row's source row
+        and position, the kept set at block and span level.  Computed by the first layer a key fills, reused by
+        the others: a layer's own work is its fetch, rebuild and copies."""
+        cached = getattr(self, "_plan_cache", None)
+        if cached is not None and cached[0] == (key, ug, h):
+            return cached[1]
         r = self.res
-        hkv, s, nb, d, dev = self.hkv, r.n_spans, r.n_blocks, r.shape.head_dim, r.device
-        ak, av = r.kv.annex_kv(layer)
-        ug = ak.shape[-2]
+        hkv, s, nb, dev = self.hkv, r.n_spans, r.n_blocks, r.device
         prio = self.ranking.prio.view(1, -1).expand(hkv, -1)
         pg = min(nb, ug // max(1, self.min_block) + 1)
         top, idx = torch.topk(prio, pg, dim=1, sorted=True)  # [Hkv, pg] blocks, the same for every group
         n = r.block_len_dev[idx]
         ok = torch.cumprod((torch.cumsum(n, 1) <= (ug if r.layout is None else min(ug, r.layout.room))).to(torch.int8), 1).bool()
         grp = torch.arange(hkv, device=dev).view(-1, 1)
-        b = self.blocks[layer]
         # a span's factor block is fetched once, by its first kept block; its other blocks read those rows (first
         # occurrence from a [pg, pg] comparison: no host sync)
         span = r.block_span_dev[idx]  # [Hkv, pg]
         first = (span.unsqueeze(2) == span.unsqueeze(1)).to(torch.int8).argmax(2)  # [Hkv, pg]: first pair of the same span
         fetch_ok = ok & (first == torch.arange(pg, device=dev).view(1, -1))
-        rows, words = fb.fetch(b, (grp * s + span).flatten(), fetch_ok.flatten())
-        us, vt = fb.unpack(b, rows, r.shape.dtype)
-        rec = torch.matmul(us, vt)  # [Hkv * pg, 2, n_max, d]; rows of pairs not fetched are unused
         n_ok = torch.where(ok, n, torch.zeros_like(n))
         ends = torch.cumsum(n_ok, 1)  # [Hkv, pg]
         t = torch.arange(ug, device=dev).view(1, -1).expand(hkv, -1).contiguous()
@@ -141,21 +139,49 @@ class FixedSets:
         j_of = t - (ends - n_ok).gather(1, p_of)
         slot_ok = (t < ends[:, -1:]).view(-1, 1)
         blk = idx.gather(1, p_of)  # row t of group g <- block blk, its row j_of, from the pair that fetched its span
-        src = torch.where(slot_ok.view(hkv, ug), (grp * pg + first.gather(1, p_of)) * b.n_max + r.block_off_dev[blk] + j_of, torch.zeros_like(t)).flatten()
         keep = torch.zeros(hkv, nb, dtype=torch.bool, device=dev).scatter_(1, idx, ok)
+        plan = {"pair": (grp * s + span).flatten(), "fetch_ok": fetch_ok.flatten(), "slot_ok": slot_ok, "keep": keep, "n": ends[:, -1]}
+        # each row's source in the rebuilt [Hkv * pg, n_max] rows: pair, row (n_max: each layer's own, at the fill)
+        ok_t = slot_ok.view(hkv, ug)
+        plan["src_pair"] = torch.where(ok_t, grp * pg + first.gather(1, p_of), torch.zeros_like(t)).flatten()
+        plan["src_row"] = torch.where(ok_t, r.block_off_dev[blk] + j_of, torch.zeros_like(t)).flatten()
         if r.layout is None:
             start = r.block_start_dev[blk]
         else:  # re-positioned (sekv/positions.py): the set's slots, fixed while it is
             base_slots, slots = r.layout.place(keep)
-            self.base_slots[layer].copy_(base_slots)
-            self.ledger.count_positions(r.layout.tokens(keep))
+            plan["base_slots"], plan["tokens"] = base_slots, r.layout.tokens(keep)
             start = slots.gather(1, blk)
-        krows = r.rotate(rec[:, 0].reshape(-1, d).index_select(0, src), (start + j_of).flatten())
+        if r.pre_rope:  # each row's rotation, as Residents.rotate gives it
+            plan["cos"], plan["sin"] = rope.cos_sin((start + j_of).flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype)
+        expanded = keep.repeat_interleave(h // hkv, 0)
+        plan["expanded"], plan["keep_s"], plan["exp_s"] = expanded, r.span_level(keep), r.span_level(expanded)
+        self._plan_cache = ((key, ug, h), plan)
+        return plan
+
+    def _fill(self, layer: int, plan: dict) -> torch.Tensor:
+        """Fetch and rebuild a layer's set into the annex (the blocks of :meth:`_plan`), written group-major; a
+        block's rows come from its span's factor block.  -> words moved."""
+        r = self.res
+        hkv, d = self.hkv, r.shape.head_dim
+        ak, av = r.kv.annex_kv(layer)
+        ug = ak.shape[-2]
+        b = self.blocks[layer]
+        rows, words = fb.fetch(b, plan["pair"], plan["fetch_ok"])
+        us, vt = fb.unpack(b, rows, r.shape.dtype)
+        rec = torch.matmul(us, vt)  # [Hkv * pg, 2, n_max, d]; rows of pairs not fetched are unused
+        src = plan["src_pair"] * b.n_max + plan["src_row"]
+        if r.layout is not None:
+            self.base_slots[layer].copy_(plan["base_slots"])
+            self.ledger.count_positions(plan["tokens"])
+        krows = rec[:, 0].reshape(-1, d).index_select(0, src)
+        if r.pre_rope:
+            krows = rope.apply(krows.float(), plan["cos"], plan["sin"])
+        slot_ok = plan["slot_ok"]
         ak[0].copy_(krows.masked_fill(~slot_ok, 0).view(hkv, ug, d))
         av[0].copy_(rec[:, 1].reshape(-1, d).index_select(0, src).masked_fill(~slot_ok, 0).view(hkv, ug, d))
-        self.keep[layer].copy_(keep)
-        self.n[layer].copy_(ends[:, -1])
-        return keep, words
+        self.keep[layer].copy_(plan["keep"])
+        self.n[layer].copy_(plan["n"])
+        return words
 
     def _joint_attention(self, layer: int, query: torch.Tensor, scaling: float, lim, fresh: bool, expanded=None) -> torch.Tensor:
         """One SDPA over a layer's resident buffer and its annex, under the set's mask: full-resolution tokens;
@@ -171,13 +197,19 @@ class FixedSets:
         if fresh:
             if self.mask[layer] is None or self.mask[layer].shape[-1] != cap + ug:
                 self.mask[layer] = torch.empty(1, h, 1, cap + ug, dtype=query.dtype, device=dev)
-            p = torch.arange(cap, device=dev)
-            mk = torch.empty(h, cap + ug, device=dev)
-            mk[:, :cap] = torch.where(p < lim, 0.0, float("-inf")).view(1, cap)
-            mk[:, r.n_full : r.n_base] = r.coarse_mask(expanded)
-            rows = torch.arange(ug, device=dev).view(1, -1) < self.n[layer].index_select(0, self.head_group).view(-1, 1)
-            mk[:, cap:] = torch.where(rows, 0.0, float("-inf"))
-            self.mask[layer].copy_(mk.view(1, h, 1, -1))
+            plan = getattr(self, "_plan_cache", (None, {}))[1]
+            mk = plan.get("mask") if plan.get("expanded") is expanded else None
+            if mk is None or mk[0] != (cap, ug, lim) or torch.is_tensor(lim):  # the same for every layer of a plan
+                p = torch.arange(cap, device=dev)
+                m = torch.empty(h, cap + ug, device=dev)
+                m[:, :cap] = torch.where(p < lim, 0.0, float("-inf")).view(1, cap)
+                m[:, r.n_full : r.n_base] = r.coarse_mask(expanded)
+                rows = torch.arange(ug, device=dev).view(1, -1) < self.n[layer].index_select(0, self.head_group).view(-1, 1)
+                m[:, cap:] = torch.where(rows, 0.0, float("-inf"))
+                mk = (cap, ug, lim), m.view(1, h, 1, -1)
+                if plan.get("expanded") is expanded and not torch.is_tensor(lim):
+                    plan["mask"] = mk
+            self.mask[layer].copy_(mk[1])
         mask = self.mask[layer]
         if r.layout is not None:  # the base entries rotated to the set's slots (a copy: the buffer keeps them de-rotated)
             jk = jk.clone()

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from . import blocks as fb
-from . import scout
+from . import rope, scout
 from .attention import build_mask, flat_attention, select_topk
 from .budget import ZoomLedger
 from .fixed_set import FixedSets
@@ -248,50 +248,101 @@ class BatchedStep:
 
     # -- the scout pass -------------------------------------------------------------------------------------
 
-    def block_lse(self, layer: int, q: torch.Tensor, scaling: float):
-        """The scout's logsumexps of the zoom blocks from this step's factor blocks (one per (group, span)), in
-        chunks of pairs whose float32 work tensors stay near SCOUT_CHUNK_BYTES each (at least as many as a step may
-        fetch): -> (lse [E, M], group [E], block [E]), E fixed by the pack (rows of no block: block id n_blocks)."""
+    def scout_masses(self, qs: list[torch.Tensor], exact: list[torch.Tensor], scaling: float) -> torch.Tensor:
+        """The scout pass's attention masses of every zoom block, for all layers at once (after the question's
+        forward): qs / exact per layer, the question's queries [Hkv, M, d] (float32) and the layer's full-resolution
+        keys [Hkv, F+A, d] -> [L, n_blocks] (:func:`scout.block_masses` of each layer).
+
+        Nothing here depends on the previous layer, so layers are batched: a chunk of layers (or of one layer's
+        (group, span) factor blocks, at long contexts) is rebuilt, rotated and scored together, its float32 work
+        tensors near SCOUT_CHUNK_BYTES each.  The per-layer work is only the view of its blocks and their
+        dequantisation (each layer has its own ranks); rotation tables, logits, the segmented logsumexp and the
+        masses run once per chunk."""
+        r, S, L = self.res, self.res.n_spans, self.L
+        q_all = torch.stack(qs)  # [L, Hkv, M, d]
+        other = torch.logsumexp(torch.matmul(q_all, torch.stack(exact).float().transpose(-1, -2)) * scaling, dim=-1)  # [L, Hkv, M]
+        n_pairs, n_max = self.hkv * S, max(b.n_max for b in self.blocks)
+        pairs, n_layers = self._scout_chunk(n_pairs, 4 * n_max * max(self.d, q_all.shape[2], 2 * max(b.r_max for b in self.blocks)))
+        tables = self._scout_tables(n_max)
+        out = []
+        for l0 in range(0, L, n_layers):
+            layers = range(l0, min(L, l0 + n_layers))
+            lse = torch.cat([self._scout_lse(layers, q_all[l0 : layers.stop], a, min(a + pairs, n_pairs), scaling, tables)
+                             for a in range(0, n_pairs, pairs)], dim=1)  # [Lc, Hkv * S, blocks per span, M]
+            lse = lse.reshape(len(layers), self.hkv, -1, lse.shape[-1])  # [Lc, Hkv, S * blocks per span, M]
+            out.append(scout.block_masses(lse, other[l0 : layers.stop])[:, tables["block_row"]])
+        return torch.cat(out)
+
+    def _scout_chunk(self, n_pairs: int, per_pair: int) -> tuple[int, int]:
+        """(pairs, layers) per chunk of the scout's scoring: float32 work tensors near SCOUT_CHUNK_BYTES (at least as
+        many pairs as a step may fetch); whole layers together where a layer's pairs fit in one chunk."""
+        pairs = max(self.P, 64, SCOUT_CHUNK_BYTES // max(per_pair, 1))
+        return pairs, max(1, pairs // max(n_pairs, 1))
+
+    def _scout_lse(self, layers: range, q: torch.Tensor, a: int, e: int, scaling: float, t: dict) -> torch.Tensor:
+        """Logsumexps of the zoom blocks of the (group, span) pairs a..e-1 (flat g * S + i) for the layers' queries
+        q [Lc, Hkv, M, d] -> [Lc, e - a, blocks per span, M]; a span's rows past its blocks give -inf."""
         r, S = self.res, self.res.n_spans
-        b = self.blocks[layer]
-        n_pairs = self.hkv * S
-        per_pair = 4 * b.n_max * max(b.d, q.shape[1], 2 * b.r_max)
-        chunk = max(self.P, 64, SCOUT_CHUNK_BYTES // max(per_pair, 1))
-        first, counts, per_span, row_block = self._span_blocks()
-        if r.layout is not None:  # re-positioned: each block where it would sit were it the only one zoomed
-            blk = first.view(-1, 1) + row_block.clamp_min(0)  # [S, n_max]
-            start = r.layout.scout_positions()[blk] - r.block_off_dev[blk]
-            row_pos = start + torch.arange(row_block.shape[1], device=r.device).view(1, -1)  # [S, n_max]
-            row_pos = torch.where(row_block >= 0, row_pos, 0)  # rows past a span's end: masked, any position
-        lse, grp, sid = [], [], []
-        for a in range(0, n_pairs, chunk):
-            pair = torch.arange(a, min(a + chunk, n_pairs), device=r.device)
-            rows, _ = fb.fetch(b, pair, torch.ones_like(pair, dtype=torch.bool))
+        n_max = t["row_block"].shape[1]
+        ragged = any(self.blocks[layer].n_max != n_max for layer in layers)
+        keys = (torch.zeros if ragged else torch.empty)(len(layers), e - a, n_max, self.d, device=r.device)  # [Lc, P, n_max, d]
+        for j, layer in enumerate(layers):  # every block of the range, in order: a view of the layer's blocks, no gather
+            b = self.blocks[layer]
+            rows = b.src.view(-1, b.stride)[a:e]
+            if rows.device != r.device:
+                rows = rows.to(r.device, non_blocking=True)
             us, vt = fb.unpack(b, rows, torch.float32)
-            g, i = pair // S, pair % S
-            keys = torch.matmul(us[:, 0], vt[:, 0])  # [P, n_max, d]; rows past n_i are masked
-            if r.layout is None:
-                keys = r.rotate(keys, r.span_start_dev[i].view(-1, 1) + torch.arange(keys.shape[1], device=r.device).view(1, -1))
+            if ragged:
+                keys[j, :, : b.n_max] = torch.matmul(us[:, 0], vt[:, 0])
             else:
-                keys = r.rotate(keys, row_pos[i, : keys.shape[1]])
-            if r.whole_spans:
-                lse.append(scout.span_logsumexp(q, keys, r.span_len_dev[i], g, scaling))
-                grp.append(g)
-                sid.append(i)
-                continue
-            # one segmented logsumexp: each row's exp (against its pair's max) summed into its block of the span
-            logits = torch.bmm(q[g], keys.transpose(1, 2)) * scaling  # [P, M, n_max]
-            rb = row_block[i]  # [P, n_max]: the block-within-span of each row, -1 past the span
-            mx = logits.masked_fill((rb < 0).unsqueeze(1), float("-inf")).amax(-1, keepdim=True)  # [P, M, 1]
-            e = torch.exp(logits - mx).masked_fill((rb < 0).unsqueeze(1), 0.0)
-            sums = torch.zeros(*e.shape[:2], per_span, device=r.device).scatter_add_(2, rb.clamp_min(0).unsqueeze(1).expand_as(e), e)
-            part = (sums.log() + mx).transpose(1, 2).reshape(-1, e.shape[1])  # [P * per_span, M]
-            k = torch.arange(per_span, device=r.device).view(1, -1)
-            has = (k < counts[i].view(-1, 1)).flatten()
-            lse.append(part)  # a fixed row count (dropping the rows past a span's blocks would sync): those get
-            grp.append(g.view(-1, 1).expand(-1, per_span).flatten())  # block id n_blocks, which layer_mass drops
-            sid.append(torch.where(has, (first[i].view(-1, 1) + k).flatten(), r.n_blocks))
-        return torch.cat(lse), torch.cat(grp), torch.cat(sid)
+                torch.matmul(us[:, 0], vt[:, 0], out=keys[j])  # rows past a span's n_i are masked below
+        pair = torch.arange(a, e, device=r.device)
+        g, i = pair // S, pair % S
+        if r.pre_rope:  # each row at its token's position (re-positioned: where its block sits zoomed alone)
+            cos, sin = t["cos"][i], t["sin"][i]  # [P, n_max, d]
+            keys = rope.apply(keys, cos, sin)
+        logits = torch.matmul(q[:, g], keys.transpose(-1, -2)) * scaling  # [Lc, P, M, n_max]
+        rb = t["row_block"][i].unsqueeze(1)  # [P, 1, n_max]: each row's block within its span, -1 past the span
+        past = rb < 0
+        if r.whole_spans:
+            return torch.logsumexp(logits.masked_fill(past, float("-inf")), dim=-1).unsqueeze(2)  # [Lc, P, 1, M]
+        # one segmented logsumexp: each row's exp (against its pair's max) summed into its block of the span
+        mx = logits.masked_fill(past, float("-inf")).amax(-1, keepdim=True)  # [Lc, P, M, 1]
+        ex = torch.exp(logits - mx).masked_fill(past, 0.0)
+        sums = torch.zeros(*ex.shape[:3], t["per_span"], device=r.device).scatter_add_(3, rb.clamp_min(0).expand_as(ex), ex)
+        return (sums.log() + mx).transpose(2, 3)  # [Lc, P, per_span, M]; a span's missing blocks: log 0 = -inf
+
+    def _scout_tables(self, n_max: int) -> dict:
+        """What the scout's scoring reads and no question changes, computed once: each row's block within its span
+        [S, n_max] (-1 past the span), the most blocks a span has, where each zoom block's row is in the
+        [S * blocks per span] layout, and (pre-RoPE packs) each row's rotation [S, n_max, d] (re-positioned: the
+        layout's, so these follow it)."""
+        r = self.res
+        key = (n_max, None if r.layout is None else (id(r.layout), r.layout.p0, r.layout.room))
+        t = getattr(self, "_scout_t", None)
+        if t is not None and t["key"] == key:
+            return t
+        first, counts, per_span, row_block = self._span_blocks()
+        if r.whole_spans:
+            per_span, row_block = 1, torch.where(row_block >= 0, 0, -1)
+            block_row = torch.arange(r.n_spans, device=r.device)
+        else:
+            bs = r.block_span_dev
+            block_row = bs * per_span + (torch.arange(r.n_blocks, device=r.device) - first[bs])
+        row_block = torch.nn.functional.pad(row_block, (0, n_max - row_block.shape[1]), value=-1)
+        t = {"key": key, "row_block": row_block, "per_span": per_span, "block_row": block_row}
+        if r.pre_rope:
+            if r.layout is None:
+                pos = r.span_start_dev.view(-1, 1) + torch.arange(n_max, device=r.device).view(1, -1)
+            else:  # each block where it would sit were it the only one zoomed
+                blk = first.view(-1, 1) + row_block.clamp_min(0)
+                blk = torch.minimum(blk, (first + counts - 1).view(-1, 1))
+                pos = r.layout.scout_positions()[blk] - r.block_off_dev[blk] + torch.arange(n_max, device=r.device).view(1, -1)
+                pos = torch.where(row_block >= 0, pos, 0)
+            cos, sin = rope.cos_sin(pos.flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype)
+            t["cos"], t["sin"] = cos.view(*pos.shape, -1), sin.view(*pos.shape, -1)
+        self._scout_t = t
+        return t
 
     def _span_blocks(self) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
         """(first zoom block of each span [S], its number of blocks [S], the most blocks a span has, the block-within-

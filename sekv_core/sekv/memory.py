@@ -123,21 +123,30 @@ class ZoomMemory(KVMemory):
             return
         base = self.n_tokens()
         self.ranking.begin_pass()
+        self._scouted = []
         try:
             forward()
+            if self._scouted:  # the batched step scores every layer's blocks at once, after the forward
+                qs, exact, scaling = zip(*self._scouted)
+                self.ranking.add_masses(self.step.scout_masses(list(qs), list(exact), scaling[0]))
             lex = None
             if self.params.lexical_weight > 0 and question and self.res.lexicon is not None:
                 lex = self.res.lexicon.scores(question).to(self.device)
             self.ranking.finish_pass(self.res.scout_profile, self.params.profile_weight, lex, self.params.lexical_weight)
         finally:
             self.ranking.end_pass()
+            self._scouted = []
             self.truncate(base)
 
     def _scout_layer(self, layer: int, query: torch.Tensor, scaling: float) -> None:
         hkv, d = self.shape.n_kv_heads, self.shape.head_dim
         q = query[0].float().reshape(hkv, -1, d)  # [Hkv, G*T, d]: a group's heads and tokens
         base = self.step.base if self.res.layout is not None else None
-        self.ranking.add_layer(q, self.res.exact_keys(layer, base), scaling, self.step.block_lse(layer, q, scaling))
+        exact = self.res.exact_keys(layer, base)
+        if isinstance(self.step, BatchedStep):  # scored with the other layers' after the forward (no layer needs another's)
+            self._scouted.append((q, exact, scaling))
+        else:
+            self.ranking.add_layer(q, exact, scaling, self.step.block_lse(layer, q, scaling))
 
     # -- attention ------------------------------------------------------------------------------------------
 

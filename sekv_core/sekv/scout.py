@@ -54,13 +54,21 @@ def layer_mass(span_lse: torch.Tensor, span_group: torch.Tensor, span_id: torch.
     return mass.amax(dim=-1).amax(dim=0)
 
 
+def block_masses(block_lse: torch.Tensor, other_lse: torch.Tensor) -> torch.Tensor:
+    """:func:`layer_mass` for several layers at once, every (group, block) pair scored: block_lse [L, Hkv, B, M]
+    (-inf for a row of no block), other_lse [L, Hkv, M] -> [L, B]."""
+    total = torch.logsumexp(torch.cat([block_lse, other_lse.unsqueeze(2)], dim=2), dim=2)  # [L, Hkv, M]
+    return torch.exp(block_lse - total.unsqueeze(2)).amax(dim=-1).amax(dim=1)
+
+
 def zscore(v: torch.Tensor) -> torch.Tensor:
-    """(v - mean) / std over spans; zeros when every span has the same value (decided on the device: no sync)."""
-    if v.numel() < 2:
+    """(v - mean) / std over spans (the last dimension: each row of a [L, S] on its own); zeros where every span
+    has the same value (decided on the device: no sync)."""
+    if v.shape[-1] < 2:
         return torch.zeros_like(v)
-    sd = v.std()
+    sd = v.std(dim=-1, keepdim=True)
     pos = sd > 0
-    return torch.where(pos, (v - v.mean()) / torch.where(pos, sd, torch.ones_like(sd)), torch.zeros_like(v))
+    return torch.where(pos, (v - v.mean(dim=-1, keepdim=True)) / torch.where(pos, sd, torch.ones_like(sd)), torch.zeros_like(v))
 
 
 def document_profile(prefill, span_start: torch.Tensor, span_end: torch.Tensor) -> torch.Tensor:
@@ -128,6 +136,10 @@ class Ranking:
         other = torch.logsumexp(torch.bmm(q, exact_keys.float().transpose(1, 2)) * scaling, dim=-1)  # [Hkv, M]
         lse, grp, sid = block_lse
         self._sum += zscore(layer_mass(lse, grp, sid, other, self.prio.numel()))
+
+    def add_masses(self, masses: torch.Tensor) -> None:
+        """Add the z-scored masses of several layers at once: masses [L, n_blocks] (:func:`block_masses`)."""
+        self._sum += zscore(masses).sum(0)
 
     def finish_pass(self, profile: torch.Tensor, profile_weight: float, lexical: torch.Tensor | None, lexical_weight: float) -> None:
         """rank = the question's sum - profile_weight x the document profile, plus lexical_weight x the z-scored
