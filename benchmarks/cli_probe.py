@@ -112,7 +112,7 @@ def _install() -> None:
     wrap(gs.GraphedStep, "_eager_then_capture", "graph_capture")
 
     def note_ingest(r) -> None:
-        RECORD["ingest"] = {k: getattr(r, k) for k in ("n_tokens", "prefill_s", "compress_s", "pack_bytes", "raw_kv_fp16_bytes") if hasattr(r, k)}
+        RECORD["ingest"] = {k: getattr(r, k) for k in ("n_tokens", "prefill_s", "compress_s", "write_s", "total_s", "pack_bytes", "raw_kv_fp16_bytes") if hasattr(r, k)}
 
     wrap(ing, "ingest", "ingest", after=note_ingest)
 

@@ -386,3 +386,26 @@ def test_factorize_layer_of_hard_spans(device):
             xs, ys = x[h, first[i] : first[i] + n].double(), y[h, first[i] : first[i] + n].double()
             assert torch.isfinite(ys).all()
             assert float((xs - ys).norm()) <= 1e-5 * float(xs.norm()) + 1e-300, (h, i, n)
+
+
+def test_factorize_many_is_each_matrix_near_optimal_at_its_own_energy():
+    """Keys and values of a layer in one batched decomposition (compress does this): each matrix keeps its own
+    energy rule, and every span's rank-r reconstruction is within the optimal rank-r error of a float64 SVD of
+    that span alone (computed here, span by span) plus float16 storage noise."""
+    k = _low_rank(2, LENS, 64, rank=6, seed=1)
+    v = torch.randn(2, int(LENS.sum()), 64, generator=torch.Generator().manual_seed(2))
+    fk, fv = fz.factorize_many([k, v], LENS, energies=[0.999999, 0.9], keeps=[None, None], rank_max=32)
+    first = torch.cumsum(LENS, 0) - LENS
+    for x, f, energy in ((k, fk, 0.999999), (v, fv, 0.9)):
+        y = fz.reconstruct_all(f, LENS, 64)
+        for h in range(2):
+            for i, n in enumerate(LENS.tolist()):
+                xs = x[h, first[i] : first[i] + n].double()
+                sig = torch.linalg.svd(xs).S
+                top = sig[:32] ** 2  # the rule's share is of the rank_max leading components' energy
+                want = min(int((torch.cumsum(top, 0) / top.sum() < energy).sum()) + 1, 32, n)  # on the reference's spectrum
+                r = int(f.rank[h, i])
+                assert abs(r - want) <= 1 if energy < 0.99 else r == min(want, 6), (h, i, r, want)
+                err = float((xs - y[h, first[i] : first[i] + n].double()).norm())
+                opt = float(sig[r:].pow(2).sum().sqrt())
+                assert err <= opt * 1.01 + 2e-3 * float(xs.norm()), (h, i, err, opt)

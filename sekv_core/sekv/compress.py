@@ -154,8 +154,8 @@ def _layer_tensors(prefill: PrefillResult, params: SekvParams, li: int, pos, sid
         depth = li / max(L - 1, 1)
         keep_k = trained.gate.keep(kbar.float(), span_len, False, depth)
         keep_v = trained.gate.keep(out[f"coarse.v.{li}"].float(), span_len, True, depth)
-    fk = fz.factorize(kx, span_len, energy=params.energy_k, keep=keep_k, **opts)
-    fv = fz.factorize(v[:, pos].float(), span_len, energy=params.energy_v, keep=keep_v, **opts)
+    # keys and values in one batched decomposition (its launches and host syncs once per layer)
+    fk, fv = fz.factorize_many([kx, v[:, pos].float()], span_len, energies=[params.energy_k, params.energy_v], keeps=[keep_k, keep_v], **opts)
     out.update(fk.tensors(f"fk.{li}"))
     out.update(fv.tensors(f"fv.{li}"))
     return out

@@ -162,18 +162,42 @@ def factorize(
     ``keep(sigma [Hkv, S, R]) -> bool [Hkv, S, R]``, a per-component decision (the trained rank gate,
     sekv/rank_gate.py); kept components need not be a prefix: they are moved to the front before packing.
     """
-    n = span_len.long().to(x.device)
-    us_pad, sig_pad, vt_pad = decompose_spans(x, span_len, rank_max, method)
-    hkv, s, _, r_cap = us_pad.shape
-    rank = torch.minimum(choose_rank(sig_pad.reshape(hkv * s, r_cap), energy, rank_max).view(hkv, s), n.view(1, -1))
-    if keep is not None:  # the gate may only drop components the energy rule keeps (the rule bounds the pack size)
-        within = torch.arange(r_cap, device=sig_pad.device).view(1, 1, -1) < rank.to(sig_pad.device).unsqueeze(-1)
-        mask = keep(sig_pad) & (sig_pad > 0) & within
-        order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)  # kept components first, in order
-        us_pad = us_pad.gather(3, order.unsqueeze(2).expand_as(us_pad))
-        vt_pad = vt_pad.gather(2, order.unsqueeze(-1).expand_as(vt_pad))
-        rank = mask.sum(-1)
-    return pack(us_pad, vt_pad, rank, n, int8=int8, dtype=dtype)
+    return factorize_many([x], span_len, energies=[energy], keeps=[keep], rank_max=rank_max, int8=int8, dtype=dtype, method=method)[0]
+
+
+def factorize_many(
+    xs: list[torch.Tensor],
+    span_len: torch.Tensor,
+    *,
+    energies: list[float],
+    keeps: list[Callable[[torch.Tensor], torch.Tensor] | None],
+    rank_max: int = 32,
+    int8: bool = False,
+    dtype: torch.dtype = torch.float16,
+    method: str = "gram",
+) -> list[Factors]:
+    """:func:`factorize` of several matrices of the same spans (a layer's keys and values: xs [Hkv_j, T, d]), each
+    with its own energy and gate, from **one** batched decomposition of all of them (each (matrix, head, span)
+    block is decomposed on its own, so the factors are those of separate calls; the launches and host syncs of
+    the decomposition are paid once)."""
+    n = span_len.long().to(xs[0].device)
+    us_all, sig_all, vt_all = decompose_spans(torch.cat([x.float() for x in xs]) if len(xs) > 1 else xs[0], span_len, rank_max, method)
+    out, o = [], 0
+    for x, energy, keep in zip(xs, energies, keeps):
+        h = x.shape[0]
+        us_pad, sig_pad, vt_pad = us_all[o : o + h], sig_all[o : o + h], vt_all[o : o + h]
+        o += h
+        hkv, s, _, r_cap = us_pad.shape
+        rank = torch.minimum(choose_rank(sig_pad.reshape(hkv * s, r_cap), energy, rank_max).view(hkv, s), n.view(1, -1))
+        if keep is not None:  # the gate may only drop components the energy rule keeps (the rule bounds the pack size)
+            within = torch.arange(r_cap, device=sig_pad.device).view(1, 1, -1) < rank.to(sig_pad.device).unsqueeze(-1)
+            mask = keep(sig_pad) & (sig_pad > 0) & within
+            order = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)  # kept components first, in order
+            us_pad = us_pad.gather(3, order.unsqueeze(2).expand_as(us_pad))
+            vt_pad = vt_pad.gather(2, order.unsqueeze(-1).expand_as(vt_pad))
+            rank = mask.sum(-1)
+        out.append(pack(us_pad, vt_pad, rank, n, int8=int8, dtype=dtype))
+    return out
 
 
 def pack(us_pad: torch.Tensor, vt_pad: torch.Tensor, rank: torch.Tensor, n: torch.Tensor, *, int8: bool, dtype: torch.dtype) -> Factors:
