@@ -8,8 +8,8 @@ file on disk and the real model:
 
 Phases: ``scout`` (the scout pass: the question's forward over the per-layer router plus the block scores),
 ``first_forward`` (the answer's first forward over the ranked fixed sets, to its first token's logits).  For
-each: top-level aten calls (what Python asks of the dispatcher: the launch proxy), leaf aten ops (kernels) and
-the wall seconds on this CPU.  The first ask includes one-off work (the factor blocks' build); the second is
+each: top-level aten calls (what Python asks of the dispatcher), those of them that are not views (the launch
+proxy: a view makes no kernel on a GPU), leaf aten ops and the wall seconds on this CPU.  The first ask includes one-off work (the factor blocks' build); the second is
 the steady state.
 """
 
@@ -26,6 +26,12 @@ import torch
 from sekv_core.session import Session
 
 
+#: ops that only make a view (metadata, no kernel on a GPU); the rest of the top-level calls are the launch proxy
+VIEWS = {"aten::" + n for n in ("view", "reshape", "slice", "select", "unsqueeze", "squeeze", "transpose", "t", "expand", "expand_as",
+                                "permute", "flatten", "as_strided", "alias", "detach", "_unsafe_view", "split", "chunk", "narrow",
+                                "unflatten", "view_as", "lift_fresh", "_reshape_alias", "unbind", "movedim", "diagonal", "view_as_real", "real")}
+
+
 def count(prof) -> dict:
     """{top-level aten calls, leaf aten ops, the most frequent top-level names} of a profile."""
     evs = [e for e in prof.events() if e.name.startswith("aten::")]
@@ -40,7 +46,7 @@ def count(prof) -> dict:
             where[_caller(e)] += 1
         if not any(c.name.startswith("aten::") for c in e.cpu_children):
             leaf += 1
-    return {"top_level": sum(top.values()), "leaf": leaf, "most": top.most_common(12), "by_function": where.most_common(25)}
+    return {"top_level": sum(top.values()), "compute": sum(c for n, c in top.items() if n not in VIEWS), "leaf": leaf, "most": top.most_common(12), "by_function": where.most_common(25)}
 
 
 def _caller(e) -> str:
@@ -98,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             del mem.prepare_question
         results.append({"ask": k + 1, "answer": ans.text, "phases": phases})
         for name, ph in phases.items():
-            print(f"ask {k + 1} {name:14s} top-level aten calls {ph['top_level']:6d}  leaf ops {ph['leaf']:6d}  {ph['s']:.3f} s")
+            print(f"ask {k + 1} {name:14s} top-level aten calls {ph['top_level']:6d}  not views {ph['compute']:6d}  leaf ops {ph['leaf']:6d}  {ph['s']:.3f} s")
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1))
     print("most frequent (last ask, scout):", results[-1]["phases"].get("scout", {}).get("most"))

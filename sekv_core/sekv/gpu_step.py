@@ -34,8 +34,9 @@ from .residents import Residents
 from .scout import Ranking
 
 
-#: the scout pass's chunk of rebuilt keys and logits, bytes per float32 work tensor: few launches per layer,
-#: a bounded transient (the 0.5B at 16K: one chunk per layer; the 8B shape at 128K: a few)
+#: the scout pass's chunk of rebuilt keys and logits, bytes per float32 work tensor: few launches, a bounded
+#: transient (the 0.5B at 4K: 8 layers a chunk; at 30K: a layer in two chunks; the 8B shape at 128K: a layer in
+#: many); also the question's chunk of queries in a per-layer-routed forward
 SCOUT_CHUNK_BYTES = 64 << 20
 
 
@@ -203,7 +204,9 @@ class BatchedStep:
         if r.head_masks:
             mine = mine & cand.t()[i]
         visible = (mine.index_select(0, p_of) & slot_ok.view(-1, 1)).t()  # [H, U]
-        out = flat_attention(query, keys, values, resident_mask(expanded), rk, rv, visible, scaling)
+        # the question's tokens in as few chunks as keep each float32 score tensor [H, chunk, T | U] near SCOUT_CHUNK_BYTES
+        q_chunk = max(16, SCOUT_CHUNK_BYTES // max(1, 4 * h * max(keys.shape[-2], u)))
+        out = flat_attention(query, keys, values, resident_mask(expanded), rk, rv, visible, scaling, q_chunk=q_chunk)
         self.ledger.count(layer, keep, expanded, words * 8)
         return out
 
@@ -301,14 +304,16 @@ class BatchedStep:
         if r.pre_rope:  # each row at its token's position (re-positioned: where its block sits zoomed alone)
             cos, sin = t["cos"][i], t["sin"][i]  # [P, n_max, d]
             keys = rope.apply(keys, cos, sin)
-        logits = torch.matmul(q[:, g], keys.transpose(-1, -2)) * scaling  # [Lc, P, M, n_max]
+        logits = torch.matmul(q[:, g], keys.transpose(-1, -2)).mul_(scaling)  # [Lc, P, M, n_max]: the chunk's one big tensor,
+        del keys  # worked in place from here
         rb = t["row_block"][i].unsqueeze(1)  # [P, 1, n_max]: each row's block within its span, -1 past the span
-        past = rb < 0
+        logits.masked_fill_(rb < 0, float("-inf"))
         if r.whole_spans:
-            return torch.logsumexp(logits.masked_fill(past, float("-inf")), dim=-1).unsqueeze(2)  # [Lc, P, 1, M]
-        # one segmented logsumexp: each row's exp (against its pair's max) summed into its block of the span
-        mx = logits.masked_fill(past, float("-inf")).amax(-1, keepdim=True)  # [Lc, P, M, 1]
-        ex = torch.exp(logits - mx).masked_fill(past, 0.0)
+            return torch.logsumexp(logits, dim=-1).unsqueeze(2)  # [Lc, P, 1, M]
+        # one segmented logsumexp: each row's exp (against its pair's max: every pair has a row) summed into its
+        # block of the span; rows past the span are exp(-inf) = 0
+        mx = logits.amax(-1, keepdim=True)  # [Lc, P, M, 1]
+        ex = logits.sub_(mx).exp_()
         sums = torch.zeros(*ex.shape[:3], t["per_span"], device=r.device).scatter_add_(3, rb.clamp_min(0).expand_as(ex), ex)
         return (sums.log() + mx).transpose(2, 3)  # [Lc, P, per_span, M]; a span's missing blocks: log 0 = -inf
 
