@@ -409,3 +409,25 @@ def test_factorize_many_is_each_matrix_near_optimal_at_its_own_energy():
                 err = float((xs - y[h, first[i] : first[i] + n].double()).norm())
                 opt = float(sig[r:].pow(2).sum().sqrt())
                 assert err <= opt * 1.01 + 2e-3 * float(xs.norm()), (h, i, err, opt)
+
+
+def test_compress_decomposes_layers_in_groups_with_the_same_factors(monkeypatch):
+    """compress decomposes several layers' keys and values in one batch; every block is decomposed on its own, so
+    the pack is bit for bit the one of one layer at a time."""
+    from test_sekv_method import tiny
+
+    from sekv_core import methods, runtime
+    from sekv_core.prefill import prefill
+    from sekv_core.sekv import compress
+
+    model = tiny("qwen2")
+    runtime.install(model)
+    res = prefill(model, torch.randint(0, 300, (400,), generator=torch.Generator().manual_seed(3)), with_surprisal=True, chunk=128)
+    m = methods.get("sekv")
+    p = m.resolve_params({})
+    together = m.compress(res, p)
+    monkeypatch.setattr(compress, "FACTOR_GROUP_BYTES", 1)  # one layer a group
+    alone = m.compress(res, p)
+    assert together.keys() == alone.keys() and len(together) > 8
+    for k in together:
+        assert torch.equal(together[k], alone[k]), k

@@ -21,6 +21,12 @@ from .segment import Segmentation, auto_lengths, fixed_segment, segment, zoom_bl
 from .summarize import span_weights, weighted_means
 
 
+#: the float32 factor inputs (keys and values in span order) of the layers decomposed together (sekv/factorize.py):
+#: few launches and host syncs per layer, a bounded transient (a few times this: their copy in one batch, its padded
+#: blocks; the 0.5B: all 24 layers at 4K, 3 a group at 32K; the 8B shape: one layer a group from 16K)
+FACTOR_GROUP_BYTES = 128 << 20
+
+
 def lengths(n_tokens: int, params: SekvParams) -> tuple[int, int, int]:
     """(min_span, max_span, window): the explicit parameters, or the budget-driven defaults."""
     mn, mx, w = auto_lengths(n_tokens, params.layout_budget)
@@ -117,9 +123,18 @@ def compress_window(prefill: PrefillResult, params: SekvParams, trained=None, ar
         cos_sin = tuple(t.to(dev) for t in rope.cos_sin(gpos, inv, shape.rope_attention_scaling, dtype=prefill.keys[0].dtype))
     copies = HostCopies(dev, arena if dev.type == "cuda" else None)
     ctx = (pos.to(dev), sid.to(dev), weights, seg.full_idx.to(dev), seg.span_len, cos_sin, trained)
-    for li in range(shape.n_layers):
-        copies.submit(out)  # the previous layer's results travel while this layer computes
-        out.update(_layer_tensors(prefill, params, li, *ctx))
+    # the factors of several layers come from one batched decomposition (its launches and host syncs once per group),
+    # the group's float32 inputs within FACTOR_GROUP_BYTES
+    per_layer = 2 * shape.n_kv_heads * int(seg.span_len.sum()) * shape.head_dim * 4
+    group = max(1, FACTOR_GROUP_BYTES // max(per_layer, 1))
+    for l0 in range(0, shape.n_layers, group):
+        copies.submit(out)  # the previous group's results travel while this one computes
+        todo = []
+        for li in range(l0, min(shape.n_layers, l0 + group)):
+            tensors, inputs = _layer_tensors(prefill, params, li, *ctx)
+            out.update(tensors)
+            todo.append((li, inputs))
+        out.update(_factors(todo, seg.span_len, params))
     return merge.Piece(prefill.start, prefill.n_tokens, seg, to_host(out, copies))
 
 
@@ -133,8 +148,9 @@ def _window_tensors(prefill: PrefillResult, params: SekvParams, seg: Segmentatio
     return out
 
 
-def _layer_tensors(prefill: PrefillResult, params: SekvParams, li: int, pos, sid, weights, full_idx, span_len, cos_sin, trained) -> dict[str, torch.Tensor]:
-    """One layer's full-resolution tokens, coarse entries, key moments (for the router) and key / value factors."""
+def _layer_tensors(prefill: PrefillResult, params: SekvParams, li: int, pos, sid, weights, full_idx, span_len, cos_sin, trained):
+    """One layer's full-resolution tokens, coarse entries and key moments (for the router), and what its factors
+    are made from: (tensors, ((pre-RoPE keys, energy, gate), (values, energy, gate)) in span order)."""
     L = prefill.shape.n_layers
     sdt = layout.store_dtype(params, prefill.keys[0].dtype)
     k, v = prefill.keys[li], prefill.values[li]
@@ -148,14 +164,22 @@ def _layer_tensors(prefill: PrefillResult, params: SekvParams, li: int, pos, sid
     kx = k[:, pos].float()
     if cos_sin is not None:
         kx = rope.undo(kx, *cos_sin)
-    opts = dict(rank_max=params.rank_max, int8=params.factors_8bit, dtype=getattr(torch, params.factor_dtype), method=params.svd)
     keep_k = keep_v = None
     if trained is not None and span_len.numel():  # the trained rank gate G chooses each block's components (sekv/rank_gate.py)
         depth = li / max(L - 1, 1)
         keep_k = trained.gate.keep(kbar.float(), span_len, False, depth)
         keep_v = trained.gate.keep(out[f"coarse.v.{li}"].float(), span_len, True, depth)
-    # keys and values in one batched decomposition (its launches and host syncs once per layer)
-    fk, fv = fz.factorize_many([kx, v[:, pos].float()], span_len, energies=[params.energy_k, params.energy_v], keeps=[keep_k, keep_v], **opts)
-    out.update(fk.tensors(f"fk.{li}"))
-    out.update(fv.tensors(f"fv.{li}"))
+    return out, ((kx, params.energy_k, keep_k), (v[:, pos].float(), params.energy_v, keep_v))
+
+
+def _factors(todo, span_len: torch.Tensor, params: SekvParams) -> dict[str, torch.Tensor]:
+    """Key and value factors of the layers in ``todo`` ((layer, ((x, energy, keep) of K, of V)) each), from one
+    batched decomposition (sekv/factorize.py factorize_many: each block on its own, the factors those of separate calls)."""
+    opts = dict(rank_max=params.rank_max, int8=params.factors_8bit, dtype=getattr(torch, params.factor_dtype), method=params.svd)
+    mats = [m for _, kv in todo for m in kv]
+    fs = fz.factorize_many([x for x, _, _ in mats], span_len, energies=[e for _, e, _ in mats], keeps=[k for _, _, k in mats], **opts)
+    out = {}
+    for j, (li, _) in enumerate(todo):
+        out.update(fs[2 * j].tensors(f"fk.{li}"))
+        out.update(fs[2 * j + 1].tensors(f"fv.{li}"))
     return out

@@ -126,13 +126,12 @@ def decompose_spans(x: torch.Tensor, span_len: torch.Tensor, rank_max: int = 32,
     bl = _bucket_len(n_host)
     if x.is_cuda:  # one batched call per stage beats a few smaller ones on a GPU (launches, not FLOPs, dominate)
         bl = torch.full_like(bl, int(bl.max()) if s else 0)
-    xz = torch.cat([x, x.new_zeros(hkv, 1, d)], dim=1)  # row t is the zero row used for padding
     for nb in torch.unique(bl).tolist():  # a handful of buckets, not spans
         ids = torch.nonzero(bl == nb).flatten().to(x.device)
         j = torch.arange(nb, device=x.device)
         valid = j.view(1, -1) < n[ids].view(-1, 1)
-        src = torch.where(valid, first[ids].view(-1, 1) + j.view(1, -1), torch.full_like(valid, t, dtype=torch.long))
-        a = xz[:, src]  # [hkv, Sb, nb, d]
+        src = torch.where(valid, first[ids].view(-1, 1) + j.view(1, -1), torch.zeros_like(valid, dtype=torch.long))
+        a = x[:, src].masked_fill_(~valid.view(1, *valid.shape, 1), 0.0)  # [hkv, Sb, nb, d], padding rows zero
         with single_thread():
             us, sigma, vt = _decompose(a.reshape(-1, nb, d), method, want=r_cap, rows_at_least_want=n_min >= r_cap)
         k = min(r_cap, us.shape[-1])

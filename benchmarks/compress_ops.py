@@ -1,0 +1,96 @@
+"""Torch ops and host syncs of sekv's compress stage, per layer, on the CPU (a proxy for CUDA launches and syncs).
+
+A random-weight Qwen2 with the KV shape of a real model (default qwen2.5-0.5b's: 24 layers, 2 KV heads of 64;
+small hidden and MLP, so the prefill is quick) prefills --tokens random tokens, then ``compress`` runs under
+torch.profiler: top-level aten calls that are not views (the launch proxy, benchmarks/ttft_ops.py), the calls
+that read a scalar or have a data-dependent shape (each a device sync on CUDA), eigensolver calls, and the wall
+seconds of compress on this CPU:
+
+    python -m benchmarks.compress_ops --tokens 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.ttft_ops import VIEWS, _caller
+
+#: calls that wait for the device on CUDA (a copy to the host, a scalar read, a data-dependent shape)
+SYNCS = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::unique", "aten::_unique2", "aten::masked_select", "aten::repeat_interleave"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.compress_ops", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--cuda-path", action="store_true", help="the decomposition CUDA takes (subspace iteration where d > 32), run on the CPU")
+    ap.add_argument("--by-function", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from sekv_core import methods, runtime
+    from sekv_core.methods import scores
+    from sekv_core.prefill import prefill
+
+    torch.manual_seed(0)
+    h = a.kv_heads * a.head_dim
+    cfg = Qwen2Config(hidden_size=h, num_hidden_layers=a.layers, num_attention_heads=a.kv_heads, num_key_value_heads=a.kv_heads, intermediate_size=2 * h,
+                      vocab_size=1024, max_position_embeddings=max(32768, a.tokens + 64))
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    runtime.install(model)
+    m = methods.get("sekv")
+    p = m.resolve_params({})
+    ids = torch.randint(0, 1024, (a.tokens,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        res = prefill(model, ids, with_surprisal=True, capture=scores.capture_kinds(m.needs_scores), obs_window=m.obs_window(p))
+    torch.set_num_threads(1)
+    if a.cuda_path:
+        from sekv_core.sekv import linalg as la
+
+        la._subspace_path = lambda x, method, want: method == "gram" and want is not None and want < min(x.shape[1], x.shape[2]) and x.shape[2] > la.BATCHED_EIG_MAX and want <= la.BATCHED_EIG_MAX
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=a.by_function) as prof:
+        t = time.perf_counter()
+        m.compress(res, p)
+        wall = time.perf_counter() - t
+    evs = [e for e in prof.events() if e.name.startswith("aten::")]
+    ids_ = {id(e) for e in evs}
+    top = [e for e in evs if not (e.cpu_parent is not None and _aten_parent(e, ids_))]
+    rec = {
+        "tokens": a.tokens,
+        "layers": a.layers,
+        "wall_s": wall,
+        "not_views": sum(1 for e in top if e.name not in VIEWS),
+        "syncs": sum(1 for e in evs if e.name in SYNCS),
+        "eigh": sum(1 for e in top if e.name in ("aten::linalg_eigh", "aten::_linalg_eigh")),
+    }
+    rec["not_views_per_layer"] = rec["not_views"] / a.layers
+    if a.by_function:
+        import collections
+
+        rec["by_function"] = collections.Counter(_caller(e) for e in top if e.name not in VIEWS).most_common(20)
+        rec["syncs_by_function"] = collections.Counter(_caller(e) for e in evs if e.name in SYNCS).most_common(12)
+    print(json.dumps(rec))
+    if a.out:
+        Path(a.out).write_text(json.dumps(rec, indent=1))
+    return 0
+
+
+def _aten_parent(e, ids) -> bool:
+    p = e.cpu_parent
+    while p is not None:
+        if id(p) in ids:
+            return True
+        p = p.cpu_parent
+    return False
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
