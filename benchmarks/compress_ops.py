@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--cuda-path", action="store_true", help="the decomposition CUDA takes (subspace iteration where d > 32), run on the CPU")
+    ap.add_argument("--cuda-path", action="store_true", help="the decompositions CUDA takes (several layers a batch; subspace iteration where d > 32), run on the CPU")
     ap.add_argument("--by-function", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -53,7 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         res = prefill(model, ids, with_surprisal=True, capture=scores.capture_kinds(m.needs_scores), obs_window=m.obs_window(p))
     torch.set_num_threads(1)
     if a.cuda_path:
+        from sekv_core.sekv import compress as sc
         from sekv_core.sekv import linalg as la
+
+        sc.GROUP_ON_CPU = True  # several layers in one decomposition, as on CUDA
 
         la._subspace_path = lambda x, method, want: method == "gram" and want is not None and want < min(x.shape[1], x.shape[2]) and x.shape[2] > la.BATCHED_EIG_MAX and want <= la.BATCHED_EIG_MAX
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=a.by_function) as prof:

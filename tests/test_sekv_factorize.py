@@ -425,8 +425,9 @@ def test_compress_decomposes_layers_in_groups_with_the_same_factors(monkeypatch)
     res = prefill(model, torch.randint(0, 300, (400,), generator=torch.Generator().manual_seed(3)), with_surprisal=True, chunk=128)
     m = methods.get("sekv")
     p = m.resolve_params({})
+    monkeypatch.setattr(compress, "GROUP_ON_CPU", True)  # as on a GPU: the layers together
     together = m.compress(res, p)
-    monkeypatch.setattr(compress, "FACTOR_GROUP_BYTES", 1)  # one layer a group
+    monkeypatch.setattr(compress, "GROUP_ON_CPU", False)  # the CPU's own way: one layer at a time
     alone = m.compress(res, p)
     assert together.keys() == alone.keys() and len(together) > 8
     for k in together:

@@ -25,6 +25,8 @@ from .summarize import span_weights, weighted_means
 #: few launches and host syncs per layer, a bounded transient (a few times this: their copy in one batch, its padded
 #: blocks; the 0.5B: all 24 layers at 4K, 3 a group at 32K; the 8B shape: one layer a group from 16K)
 FACTOR_GROUP_BYTES = 128 << 20
+#: the CPU decomposes a layer at a time: its cost is the arithmetic, not launches, and larger batches only add copies
+GROUP_ON_CPU = False
 
 
 def lengths(n_tokens: int, params: SekvParams) -> tuple[int, int, int]:
@@ -126,7 +128,7 @@ def compress_window(prefill: PrefillResult, params: SekvParams, trained=None, ar
     # the factors of several layers come from one batched decomposition (its launches and host syncs once per group),
     # the group's float32 inputs within FACTOR_GROUP_BYTES
     per_layer = 2 * shape.n_kv_heads * int(seg.span_len.sum()) * shape.head_dim * 4
-    group = max(1, FACTOR_GROUP_BYTES // max(per_layer, 1))
+    group = max(1, FACTOR_GROUP_BYTES // max(per_layer, 1)) if dev.type != "cpu" or GROUP_ON_CPU else 1
     for l0 in range(0, shape.n_layers, group):
         copies.submit(out)  # the previous group's results travel while this one computes
         todo = []
