@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Issue 16's open cells through the CLI on one GPU, in one device call, most important first, within BUDGET_S:
-#   1. the real qwen2.5-0.5b at 16K / 30K / 4K, sekv then full: a 2-question `sekv chat` per pack (TTFT of the
+#   1. the real qwen2.5-0.5b at 16K and 30K, sekv then full: a 2-question `sekv chat` per pack (TTFT of the
 #      process's first question and of the second), after `sekv ingest` (ingest / prefill ratio);
 #   2. the Llama-3-8B-shaped random model saved as a local model directory (benchmarks/gpu_cli.py random-model),
-#      sekv at 128K then 32K (ingest / prefill ratio, TTFT, decode), then full at 32K and 128K if time is left.
+#      sekv at 128K then 32K (ingest / prefill ratio, TTFT, decode);
+#   3. with what is left: the 0.5B at 4K (sekv, full), then full on the 8B shape at 32K and 128K.
+# A cell is not started when the one before says it would end past the budget (gpu_cli --budget-s), and each run
+# is cut at what is left overall (its finished cells are already in its JSON).  Expect about 5 minutes for 1-2
+# (each process spends ~9 s importing, the 8B model ~1 min to save); BUDGET_S=600 runs all of it.
 # Every number lands in $OUT/*.json (gpu_cli's records) and the tables in $OUT/*.txt.
 #
 # Before the device call, here (the documents travel with the tree as untracked files, ~1 MB):
@@ -36,8 +40,8 @@ run() {  # run NAME BUDGET ARGS...: one gpu_cli run, its own budget and a hard t
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 
-# 1. the real 0.5B (about half the budget)
-run qwen05b $((BUDGET_S / 2)) --docs bench_docs --lengths 16384,30720,4096 --methods sekv,full --workdir /var/tmp/packs_ttft
+# 1. the real 0.5B at 16K and 30K (at most 40 % of the budget)
+run qwen05b $((BUDGET_S * 2 / 5)) --docs bench_docs --lengths 16384,30720 --methods sekv,full --workdir /var/tmp/packs_ttft
 
 # 2. the 8B shape: weights drawn on the GPU, saved once (16 GB), their fingerprint computed once outside the cells
 if [ ! -f "$RAND/config.json" ] && [ "$(left)" -gt 120 ]; then
@@ -48,6 +52,11 @@ if [ ! -f "$RAND/config.json" ] && [ "$(left)" -gt 120 ]; then
 fi
 if [ -f "$RAND/config.json" ]; then
   run rand8b_sekv "$(left)" --docs bench_docs_8b --model "$RAND" --lengths 131072,32768 --methods sekv --workdir /var/tmp/packs8b
+fi
+
+# 3. what time is left: the 0.5B at 4K, then full on the 8B shape (decode and memory against sekv)
+run qwen05b_4k "$(left)" --docs bench_docs --lengths 4096 --methods sekv,full --workdir /var/tmp/packs_ttft
+if [ -f "$RAND/config.json" ]; then
   run rand8b_full "$(left)" --docs bench_docs_8b --model "$RAND" --lengths 32768,131072 --methods full --workdir /var/tmp/packs8b
 fi
 rm -rf /var/tmp/packs_ttft /var/tmp/packs8b
