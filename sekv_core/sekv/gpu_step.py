@@ -261,7 +261,7 @@ class BatchedStep:
         tensors near SCOUT_CHUNK_BYTES each.  The per-layer work is only the view of its blocks and their
         dequantisation (each layer has its own ranks); rotation tables, logits, the segmented logsumexp and the
         masses run once per chunk."""
-        r, S, L = self.res, self.res.n_spans, self.L
+        S, L = self.res.n_spans, self.L
         q_all = torch.stack(qs)  # [L, Hkv, M, d]
         other = torch.logsumexp(torch.matmul(q_all, torch.stack(exact).float().transpose(-1, -2)) * scaling, dim=-1)  # [L, Hkv, M]
         n_pairs, n_max = self.hkv * S, max(b.n_max for b in self.blocks)

@@ -14,7 +14,9 @@ and summed over layers.  Some spans (the document's head, the last ones) draw at
 so the same sum is taken at ingest for the queries of the document's last PROFILE_QUERIES tokens (the
 *document profile*, stored in the pack, exact keys) and subtracted.  The answer's forwards then keep spans
 in order of (question sum - profile), in every layer, within the same budget cap.  The logsumexp per span
-is built chunk by chunk, so only one chunk of reconstructed keys exists at a time.
+is built chunk by chunk, so only one chunk of reconstructed keys exists at a time.  The batched step (sekv/gpu_step.py)
+keeps each layer's queries during the forward and scores every layer after it, several layers a chunk
+(:func:`block_masses`, :meth:`Ranking.add_masses`); the reference step scores each layer as it goes (:meth:`Ranking.add_layer`).
 """
 
 from __future__ import annotations
