@@ -78,7 +78,7 @@ def test_scout_masses_equal_full_kv_attention(kind, unit, batched):
     assert torch.allclose(mem.ranking.prio.double(), ref, atol=1e-3), (mem.ranking.prio.double() - ref).abs().max()
 
 
-@pytest.mark.parametrize("chunk", ["pairs", "layers"])
+@pytest.mark.parametrize("chunk", ["pairs", "layers", "rotations"])
 def test_batched_scout_in_chunks_equals_full_kv_attention(chunk, monkeypatch):
     """The batched step scores every layer after the question's forward, several layers at once or one layer's
     (group, span) pairs a few at a time (long contexts): either way the full-KV reference's ranking."""
@@ -90,9 +90,11 @@ def test_batched_scout_in_chunks_equals_full_kv_attention(chunk, monkeypatch):
 
     def chunking(self, n_pairs, per_pair):
         seen.append(n_pairs)
-        return (5, 1) if chunk == "pairs" else (2 * n_pairs, 2)
+        return (5, 1) if chunk != "layers" else (2 * n_pairs, 2)
 
     monkeypatch.setattr(gpu_step.BatchedStep, "_scout_chunk", chunking)
+    if chunk == "rotations":  # a pass's rotations too large to make at once: each chunk makes its own
+        monkeypatch.setattr(gpu_step, "SCOUT_CHUNK_BYTES", 1)
     queries, keys = _spy(mem)
     q = torch.tensor([QUESTION])
     mem.prepare_question(lambda: runtime.forward_hidden(model, q, mem.n_tokens(), mem))

@@ -109,6 +109,8 @@ class FixedSets:
         self.filled_for[layer] = key
         out = self._joint_attention(layer, query, scaling, lim, fresh=True, expanded=plan["expanded"])
         self.ledger.count(layer, plan["keep_s"], plan["exp_s"], words * 8)
+        if layer == len(self.filled_for) - 1:  # the last layer: the plan's tables (rotations of every row) are not kept
+            self._plan_cache = None
         return out
 
     def _plan(self, key, ug: int, h: int) -> dict:

@@ -266,7 +266,12 @@ class BatchedStep:
         other = torch.logsumexp(torch.matmul(q_all, torch.stack(exact).float().transpose(-1, -2)) * scaling, dim=-1)  # [L, Hkv, M]
         n_pairs, n_max = self.hkv * S, max(b.n_max for b in self.blocks)
         pairs, n_layers = self._scout_chunk(n_pairs, 4 * n_max * max(self.d, q_all.shape[2], 2 * max(b.r_max for b in self.blocks)))
-        tables = self._scout_tables(n_max)
+        tables = dict(self._scout_tables(n_max))
+        if self.res.pre_rope:  # every row's rotation once for the pass where it is small, else a chunk's at a time
+            pos = tables["pos"]
+            if 8 * pos.numel() * self.d <= SCOUT_CHUNK_BYTES:
+                cos, sin = rope.cos_sin(pos.flatten(), self.res.inv_freq, self.res.rope_scaling, dtype=self.res.shape.dtype)
+                tables["cos"], tables["sin"] = cos.view(*pos.shape, -1), sin.view(*pos.shape, -1)
         out = []
         for l0 in range(0, L, n_layers):
             layers = range(l0, min(L, l0 + n_layers))
@@ -302,7 +307,11 @@ class BatchedStep:
         pair = torch.arange(a, e, device=r.device)
         g, i = pair // S, pair % S
         if r.pre_rope:  # each row at its token's position (re-positioned: where its block sits zoomed alone)
-            cos, sin = t["cos"][i], t["sin"][i]  # [P, n_max, d]
+            if "cos" in t:
+                cos, sin = t["cos"][i], t["sin"][i]  # [P, n_max, d]
+            else:
+                pos = t["pos"][i]
+                cos, sin = (x.view(*pos.shape, -1) for x in rope.cos_sin(pos.flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype))
             keys = rope.apply(keys, cos, sin)
         logits = torch.matmul(q[:, g], keys.transpose(-1, -2)).mul_(scaling)  # [Lc, P, M, n_max]: the chunk's one big tensor,
         del keys  # worked in place from here
@@ -320,8 +329,8 @@ class BatchedStep:
     def _scout_tables(self, n_max: int) -> dict:
         """What the scout's scoring reads and no question changes, computed once: each row's block within its span
         [S, n_max] (-1 past the span), the most blocks a span has, where each zoom block's row is in the
-        [S * blocks per span] layout, and (pre-RoPE packs) each row's rotation [S, n_max, d] (re-positioned: the
-        layout's, so these follow it)."""
+        [S * blocks per span] layout, and (pre-RoPE packs) each row's position [S, n_max] (re-positioned: the layout's,
+        so these follow it)."""
         r = self.res
         key = (n_max, None if r.layout is None else (id(r.layout), r.layout.p0, r.layout.room))
         t = getattr(self, "_scout_t", None)
@@ -344,8 +353,7 @@ class BatchedStep:
                 blk = torch.minimum(blk, (first + counts - 1).view(-1, 1))
                 pos = r.layout.scout_positions()[blk] - r.block_off_dev[blk] + torch.arange(n_max, device=r.device).view(1, -1)
                 pos = torch.where(row_block >= 0, pos, 0)
-            cos, sin = rope.cos_sin(pos.flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype)
-            t["cos"], t["sin"] = cos.view(*pos.shape, -1), sin.view(*pos.shape, -1)
+            t["pos"] = pos
         self._scout_t = t
         return t
 
