@@ -43,7 +43,12 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         raise RuntimeError("sekv attention called outside sekv_core.runtime.using(memory)")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    out = memory.attend(module.layer_idx, query, key, value, scaling)
+    devices = getattr(memory, "layer_devices", None)
+    home = devices[module.layer_idx] if devices else query.device
+    if home != query.device:  # a memory kept on another device than this layer's (sekv_core/placement.py)
+        out = memory.attend(module.layer_idx, query.to(home), key.to(home), value.to(home), scaling).to(query.device)
+    else:
+        out = memory.attend(module.layer_idx, query, key, value, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -56,6 +56,7 @@ class FullMemory(KVMemory):
 class FullMethod(CacheMethod):
     name = "full"
     summary = "the complete KV cache; exact, largest"
+    per_layer_devices = True
 
     def compress(self, prefill: PrefillResult, params):
         out = {}
