@@ -32,45 +32,62 @@ def kv_fits(shape: ModelShape, n_tokens: int, devices: Sequence[torch.device]) -
     for d in devices:
         need[d] = need.get(d, 0) + per_layer_bytes
     for d, b in need.items():
-        if d.type == "cuda" and b > FIT_SHARE * torch.cuda.mem_get_info(d)[0]:
-            return False
+        if d.type == "cuda":
+            free = torch.cuda.mem_get_info(d)[0] + torch.cuda.memory_reserved(d) - torch.cuda.memory_allocated(d)  # + torch's cache
+            if b > FIT_SHARE * free:
+                return False
     return True
 
 
 class HostKV(GrowingKV):
-    """GrowingKV with its buffers in host memory (capacity fixed: the prefill's tokens); append() returns the layer's
-    K/V so far on the new tokens' device."""
+    """GrowingKV with its buffers in host memory, token-major ([capacity, Hkv, d] per layer, so a prefix is one
+    contiguous block to copy); capacity fixed: the prefill's tokens.  append() returns the layer's K/V so far on the
+    new tokens' device; :meth:`layers` the result."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype, devices, capacity: int):
         self.annex, self.generation, self.truncations, self.static = 0, 0, 0, False
         self.devices = per_layer(devices, n_layers)
         pin = any(d.type == "cuda" for d in self.devices)
-        self.jk = [torch.empty(1, n_kv_heads, capacity, head_dim, dtype=dtype, pin_memory=pin) for _ in range(n_layers)]
-        self.jv = [torch.empty(t.shape, dtype=dtype, pin_memory=pin) for t in self.jk]
-        self.k, self.v = list(self.jk), list(self.jv)
+        self.hk = [torch.empty(capacity, n_kv_heads, head_dim, dtype=dtype, pin_memory=pin) for _ in range(n_layers)]
+        self.hv = [torch.empty(capacity, n_kv_heads, head_dim, dtype=dtype, pin_memory=pin) for _ in range(n_layers)]
         self.len = [0] * n_layers
         self.pos = torch.zeros(1, dtype=torch.long)
 
+    @staticmethod
+    def _past(host: torch.Tensor, n: int, like: torch.Tensor) -> torch.Tensor:
+        """host[:n] on like's device as [1, Hkv, n, d]."""
+        return host[:n].to(like.device, non_blocking=like.device.type != "cpu").transpose(0, 1).unsqueeze(0)
+
     def append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n, q = self.len[layer], key.shape[-2]
-        if n + q > self.k[layer].shape[-2]:
-            raise ValueError(f"HostKV holds {self.k[layer].shape[-2]} tokens; {n + q} appended")
+        if n + q > self.hk[layer].shape[0]:
+            raise ValueError(f"HostKV holds {self.hk[layer].shape[0]} tokens; {n + q} appended")
+        keys = torch.cat([self._past(self.hk[layer], n, key), key], 2)
+        values = torch.cat([self._past(self.hv[layer], n, value), value], 2)
         on = key.device.type != "cpu"
-        keys = torch.cat([self.k[layer][:, :, :n].to(key.device, non_blocking=on), key], 2)
-        values = torch.cat([self.v[layer][:, :, :n].to(value.device, non_blocking=on), value], 2)
-        self.k[layer][:, :, n : n + q].copy_(key, non_blocking=on)  # to the host behind this layer's attention
-        self.v[layer][:, :, n : n + q].copy_(value, non_blocking=on)
+        # to the host behind this layer's attention, on the same stream as the reads of later chunks
+        self.hk[layer][n : n + q].copy_(key[0].transpose(0, 1).contiguous(), non_blocking=on)
+        self.hv[layer][n : n + q].copy_(value[0].transpose(0, 1).contiguous(), non_blocking=on)
         self.len[layer] = n + q
         return keys, values
 
     def reserve(self, layer: int, n: int) -> None:
-        if n > self.k[layer].shape[-2]:
-            raise ValueError(f"HostKV holds {self.k[layer].shape[-2]} tokens; {n} asked for")
+        if n > self.hk[layer].shape[0]:
+            raise ValueError(f"HostKV holds {self.hk[layer].shape[0]} tokens; {n} asked for")
 
-    def finish(self) -> None:
-        """Wait for the copies to the host (before the host reads them)."""
+    def truncate(self, n: int) -> None:
+        self.len = [min(x, n) for x in self.len]
+
+    def nbytes(self) -> int:
+        return 0  # nothing on the compute device between forwards
+
+    def layers(self, n: int) -> tuple["LayersOn", "LayersOn"]:
+        """The first n tokens' keys and values, read a layer at a time on its device as [Hkv, n, d], once the copies
+        to the host are done."""
         for d in {d for d in self.devices if d.type == "cuda"}:
             torch.cuda.synchronize(d)
+        head_major = lambda x: x.transpose(0, 1)  # noqa: E731 - [n, Hkv, d] -> [Hkv, n, d], on the device
+        return (LayersOn([h[:n] for h in self.hk], self.devices, head_major), LayersOn([h[:n] for h in self.hv], self.devices, head_major))
 
 
 class LayersOn(Sequence):
@@ -88,6 +105,10 @@ class LayersOn(Sequence):
             return [self[j] for j in range(*i.indices(len(self)))]
         x = self.host[i].to(self.devices[i], non_blocking=self.devices[i].type != "cpu")
         return self.fn(x) if self.fn is not None else x
+
+    def host_items(self) -> list[torch.Tensor]:
+        """The layers as host tensors (the view applied on the host)."""
+        return [self.fn(h) if self.fn is not None else h for h in self.host]
 
     def map(self, g: Callable) -> "LayersOn":
         f = self.fn

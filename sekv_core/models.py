@@ -413,6 +413,19 @@ def load(model: str = DEFAULT_MODEL, device: str | None = None, dtype=None, prog
     return LoadedModel(m, tok, model_id, fp, tok_fp, where if local else Path(str(where)))
 
 
+def wrap(model, tokenizer, model_id: str) -> LoadedModel:
+    """A model built in memory (no directory: e.g. random weights of a given shape) as a LoadedModel, with sekv's
+    attention hook installed; its fingerprint is its config's (packs it makes open only with the same in-memory
+    model: its weights are nowhere else)."""
+    from . import runtime
+
+    model.eval().requires_grad_(False)
+    runtime.install(model)
+    fp = hashlib.sha256(("in-memory:" + json.dumps(model.config.to_dict(), sort_keys=True, default=str)).encode()).hexdigest()
+    model.sekv_fingerprint, model.sekv_model_id = fp, model_id
+    return LoadedModel(model, tokenizer, model_id, fp, tokenizer_fingerprint(tokenizer), Path(model_id))
+
+
 class _Inline:
     """An executor that runs each job when it is submitted."""
 

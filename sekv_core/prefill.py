@@ -73,11 +73,11 @@ def prefill(
         if progress:
             progress(min(start + chunk, n), n)
     surprisal = surprisal.cpu()
-    keys = [memory.kv.k[i][0, :, :n] for i in range(shape.n_layers)]
-    values = [memory.kv.v[i][0, :, :n] for i in range(shape.n_layers)]
     if offload_kv:  # host buffers, read by compress() a layer at a time on the layer's device
-        kv.finish()
-        keys, values = kv_offload.LayersOn(keys, devices), kv_offload.LayersOn(values, devices)
+        keys, values = kv.layers(n)
+    else:
+        keys = [memory.kv.k[i][0, :, :n] for i in range(shape.n_layers)]
+        values = [memory.kv.v[i][0, :, :n] for i in range(shape.n_layers)]
     scores = memory.export() if capture else {}
     return PrefillResult(ids[0].cpu(), keys, values, surprisal if with_surprisal else None, shape, scores=scores,
                          model_fingerprint=str(getattr(model, "sekv_fingerprint", "")), model_id=str(getattr(model, "sekv_model_id", "")), model=model)

@@ -1,0 +1,288 @@
+"""A model at the edge of one GPU: Llama-3.1-70B's shape on one H200, `full` vs `sekv` through the pack path.
+
+Random bf16 weights of the Llama-3.1-70B shape (80 layers, hidden 8192, 64 query / 8 KV heads, intermediate 28672,
+vocab 128256, RoPE theta 500000 with llama3 scaling, a 128K window) are built in memory directly on the GPU (no
+checkpoint: ~131 GiB of weights, ~8 GiB of the H200 left).  The full KV is 320 KiB a token (40 GiB at 128K), so the
+ingest's prefill keeps it in host memory chunk by chunk (sekv_core/kv_offload.py, chosen by the prefill when the KV
+would not fit) and every cell goes through what `sekv ingest` / `sekv ask` run: ``sekv.ingest`` writes a pack to
+disk, ``sekv.open`` reads it, ``Pack.ask`` answers.  Random weights are honest for memory and speed, not quality.
+
+Cells, most important first (``--time-limit`` skips what would not finish): sekv at ~128K (the document fills the
+window less the question's reserve), the `full` ladder (8K, 16K, 32K, 64K: stops at the first that fails, out of
+memory), sekv at 32K and 64K.  Per cell: ingest time (prefill / compress / write), whether the KV was offloaded,
+peak GPU memory beyond the weights (ingest; open + ask), pack size, open time, TTFT of a first and a second ask
+(the pack's file just written, so read from the page cache), decode ms/token, resident KV / full KV.  The JSON at
+``--out`` is rewritten after every cell.
+
+    python -m benchmarks.big_model --out "$OUT/big_model.json" --time-limit 540        # one H200
+    python -m benchmarks.big_model --shape tiny --out /tmp/big_model_tiny.json         # the same code on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT_TOKENS = 0  # the chat template's and system prompt's tokens around a document (set in main)
+GiB = 1 << 30
+SHAPES = {
+    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0, original_window=8192),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=None, max_position_embeddings=4096, rope_theta=500000.0, original_window=512),
+}
+#: per shape: the sekv contexts (first: the long one), the full ladder
+PLAN = {"70b": ([0, 32768, 65536], [8192, 16384, 32768, 65536]), "tiny": ([0, 1024, 2048], [512, 1024, 2048])}
+QUESTION = "What does the keeper's log say about the storm and the lamp?"
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def tokenizer():
+    """A small BPE tokenizer trained on the sample documents (the model's weights are random: any tokenizer whose ids
+    fit the vocabulary does)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(sample_texts(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    return fast
+
+
+def sample_texts() -> list[str]:
+    return [p.read_text() for p in sorted((ROOT / "sample_docs").glob("*.md"))]
+
+
+def build_model(shape: str, tok, device: torch.device):
+    """Random weights of the shape, made on the device in bf16 (float32 on a CPU without bf16), no checkpoint."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    s = dict(SHAPES[shape])
+    orig = s.pop("original_window")
+    s["vocab_size"] = s["vocab_size"] or len(tok)
+    rope = {"rope_type": "llama3", "rope_theta": s.pop("rope_theta"), "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": orig}
+    cfg = LlamaConfig(**s, rope_parameters=rope, rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, bos_token_id=None)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model
+
+
+def document(tok, n_tokens: int, path: Path) -> Path:
+    """A text file of about n_tokens tokens (the sample documents, numbered, repeated)."""
+    parts, total, i = [], 0, 0
+    texts = sample_texts()
+    while total < n_tokens:
+        t = f"\n\n## Part {i + 1}\n\n" + texts[i % len(texts)]
+        parts.append(t)
+        total += len(tok(t, add_special_tokens=False)["input_ids"])
+        i += 1
+    ids = tok("".join(parts), add_special_tokens=False)["input_ids"][:n_tokens]
+    path.write_text(tok.decode(ids))
+    return path
+
+
+class Gpu:
+    """Peak GPU memory beyond the weights (0 on a CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.on = device.type == "cuda"
+        self.device = device
+        self.weights = torch.cuda.memory_allocated(device) if self.on else 0
+
+    def reset(self) -> None:
+        if self.on:
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_beyond_weights_gib(self) -> float | None:
+        return round((torch.cuda.max_memory_allocated(self.device) - self.weights) / GiB, 3) if self.on else None
+
+    def free_gib(self) -> float | None:
+        return round(torch.cuda.mem_get_info(self.device)[0] / GiB, 3) if self.on else None
+
+
+def out_of_memory(e: BaseException) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def cell(kind: str, n_target: int, lm, tok, gpu: Gpu, work: Path, a) -> dict:
+    """One ingest + open + two asks through the API (the CLI's path), timed."""
+    import sekv
+
+    row: dict = {"method": kind, "target_tokens": n_target, "ok": False}
+    doc = document(tok, n_target - PROMPT_TOKENS, work / f"doc-{kind}-{n_target}.txt")
+    pack = work / f"doc-{kind}-{n_target}.sekv"
+    offload = {"auto": None, "on": True, "off": False}[a.offload_kv]
+    t0 = time.perf_counter()
+    try:
+        gpu.reset()
+        if offload is None:  # what the prefill will decide (sekv_core/prefill.py)
+            from sekv_core import kv_offload, placement
+            from sekv_core.methods.base import ModelShape
+
+            shape = ModelShape.of(lm.config, next(lm.model.parameters()).dtype)
+            row["kv_offloaded"] = not kv_offload.kv_fits(shape, n_target, placement.layer_devices(lm.model))
+        else:
+            row["kv_offloaded"] = offload
+        budget = a.budget if kind == "sekv" else None
+        info = sekv.ingest(doc, pack, method=kind, budget=budget, model=lm, offload_kv=offload)
+        row.update(n_tokens=info.n_tokens, ingest_s=round(info.total_s, 2), prefill_s=round(info.prefill_s, 2), compress_s=round(info.compress_s, 2),
+                   write_s=round(info.write_s, 2), pack_gib=round(info.pack_bytes / GiB, 3), raw_kv_fp16_gib=round(info.raw_kv_fp16_bytes / GiB, 3),
+                   ingest_peak_gib_beyond_weights=gpu.peak_beyond_weights_gib(), windows=info.windows)
+        gpu.reset()
+        t1 = time.perf_counter()
+        p = sekv.open(pack, model=lm)
+        row["open_s"] = round(time.perf_counter() - t1, 2)
+        first = p.ask(QUESTION, max_new_tokens=a.new_tokens)
+        second = p.ask(QUESTION, max_new_tokens=a.new_tokens)
+        row.update(
+            ttft_first_s=round(first.timings.ttft_s, 3), ttft_s=round(second.timings.ttft_s, 3),
+            decode_ms_per_token=round(1000 / second.timings.tokens_per_s, 2) if second.timings.tokens_per_s else None,
+            generated=second.tokens.generated, same_answer_twice=first.tokens.ids == second.tokens.ids,
+            resident_kv_gib=round(second.memory.resident_kv_bytes_peak / GiB, 3), full_kv_gib=round(second.memory.full_kv_bytes / GiB, 3),
+            resident_fraction=round(second.memory.resident_fraction, 4), ask_peak_gib_beyond_weights=gpu.peak_beyond_weights_gib(),
+            ok=second.tokens.generated > 0,
+        )
+        del p, first, second
+    except Exception as e:  # noqa: BLE001 - every failure is a result of the cell
+        row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}", out_of_memory=out_of_memory(e),
+                   peak_gib_beyond_weights_at_failure=gpu.peak_beyond_weights_gib())
+        e = None  # noqa: F841 - drop the traceback's tensors
+    finally:
+        row["wall_s"] = round(time.perf_counter() - t0, 2)
+        for f in (doc, pack):
+            f.unlink(missing_ok=True)
+        gc.collect()
+        if gpu.on:
+            torch.cuda.empty_cache()
+    return row
+
+
+def estimate_s(done: list[dict], n: int) -> float:
+    """A cell's wall time from the measured ones (linear + quadratic in tokens, scaled by the largest done); 0 when
+    nothing is measured yet."""
+    ok = [r for r in done if r.get("n_tokens") and r.get("wall_s")]
+    if not ok:
+        return 0.0
+    r = max(ok, key=lambda x: x["n_tokens"])
+    x = n / r["n_tokens"]
+    return r["wall_s"] * (0.5 * x + 0.5 * x * x)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="70b")
+    ap.add_argument("--out", required=True, help="the JSON of results, rewritten after every cell")
+    ap.add_argument("--time-limit", type=float, default=540.0, help="seconds: cells that would not finish in them are skipped")
+    ap.add_argument("--budget", type=float, default=0.1)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--offload-kv", choices=("auto", "on", "off"), default="auto", help="the ingest prefill's KV on the host (auto: when it would not fit)")
+    ap.add_argument("--sekv", default=None, help="sekv contexts, comma-separated (default: the window's, 32K, 64K; 0 = the window less the reserve)")
+    ap.add_argument("--full", default=None, help="the full ladder, comma-separated (default: 8K, 16K, 32K, 64K)")
+    ap.add_argument("--work-dir", default=None, help="where documents and packs are written (default: a temporary folder, removed)")
+    a = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    sekv_ctx, full_ctx = PLAN[a.shape]
+    sekv_ctx = [int(x) for x in a.sekv.split(",")] if a.sekv else sekv_ctx
+    full_ctx = [int(x) for x in a.full.split(",")] if a.full else full_ctx
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(a.work_dir or tempfile.mkdtemp(prefix="sekv-big-"))
+    work.mkdir(parents=True, exist_ok=True)
+
+    import transformers
+
+    from sekv_core import models, prompt
+    from sekv_core.ingest import RESERVE_TOKENS
+    from sekv_core.methods.base import ModelShape
+
+    result: dict = {"shape": a.shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+                    "torch": torch.__version__, "transformers": transformers.__version__, "budget": a.budget, "new_tokens": a.new_tokens,
+                    "offload_kv": a.offload_kv, "time_limit_s": a.time_limit, "argv": sys.argv[1:], "cells": [], "skipped": []}
+
+    def save() -> None:
+        result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        os.replace(tmp, out)
+
+    tok = tokenizer()
+    t0 = time.perf_counter()
+    model = build_model(a.shape, tok, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    lm = models.wrap(model, tok, "random-llama3.1-70b-shape" if a.shape == "70b" else "random-llama-tiny")
+    gpu = Gpu(device)
+    window = models.context_window(model.config)
+    result.update(build_s=round(time.perf_counter() - t0, 1), weights_gib=round(sum(p.numel() * p.element_size() for p in model.parameters()) / GiB, 2),
+                  allocated_after_build_gib=round(gpu.weights / GiB, 2), free_after_build_gib=gpu.free_gib(), window=window,
+                  kv_kib_per_token=ModelShape.of(model.config, next(model.parameters()).dtype).kv_bytes_per_token() / 1024)
+    save()
+    long_ctx = window - RESERVE_TOKENS - 64  # the longest document that is one window (and its question's reserve)
+    sekv_ctx = [c or long_ctx for c in sekv_ctx]
+    global PROMPT_TOKENS
+    PROMPT_TOKENS = len(prompt.encode(tok, prompt.document_prefix(tok, "")))  # the pack's tokens = the document's + these
+    order = [("sekv", sekv_ctx[0])] + [("full", n) for n in full_ctx] + [("sekv", n) for n in sekv_ctx[1:]]
+    full_failed = False
+    try:
+        for kind, n in order:
+            if kind == "full" and full_failed:
+                result["skipped"].append({"method": kind, "target_tokens": n, "why": "a shorter full context already failed"})
+                save()
+                continue
+            left = a.time_limit - (time.perf_counter() - t_start)
+            need = estimate_s(result["cells"], n)
+            if need > left:
+                result["skipped"].append({"method": kind, "target_tokens": n, "why": f"time: ~{need:.0f} s needed, {left:.0f} s left"})
+                save()
+                continue
+            print(f"[{time.perf_counter() - t_start:6.1f} s] {kind} {n} ...", file=sys.stderr, flush=True)
+            row = cell(kind, n, lm, tok, gpu, work, a)
+            print(f"[{time.perf_counter() - t_start:6.1f} s] {json.dumps(row)}", file=sys.stderr, flush=True)
+            result["cells"].append(row)
+            if kind == "full":
+                if row["ok"]:
+                    result["longest_full_tokens"] = max(result.get("longest_full_tokens", 0), row["n_tokens"])
+                else:
+                    full_failed = True
+            save()
+    finally:
+        result["done"] = True
+        save()
+        if not a.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
