@@ -72,22 +72,61 @@ def sample_texts() -> list[str]:
     return [p.read_text() for p in sorted((ROOT / "sample_docs").glob("*.md"))]
 
 
-def build_model(shape: str, tok, device: torch.device):
-    """Random weights of the shape, made on the device in bf16 (float32 on a CPU without bf16), no checkpoint."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def config(shape: str, tok):
+    from transformers import LlamaConfig
 
     s = dict(SHAPES[shape])
     orig = s.pop("original_window")
     s["vocab_size"] = s["vocab_size"] or len(tok)
     rope = {"rope_type": "llama3", "rope_theta": s.pop("rope_theta"), "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": orig}
-    cfg = LlamaConfig(**s, rope_parameters=rope, rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, bos_token_id=None)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return LlamaConfig(**s, rope_parameters=rope, rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
+                       pad_token_id=tok.pad_token_id, bos_token_id=None)
+
+
+def build_model(shape: str, tok, devices: list[torch.device]):
+    """Random weights of the shape, made on the device(s) in bf16 (float32 on a CPU), no checkpoint.  One device:
+    transformers' own init there.  Several: the layers in equal consecutive groups, one per device (embedding on the
+    first, final norm and LM head on the last), each module made on its device, then placed by accelerate
+    (dispatch_model: its hooks carry the hidden states from device to device), as a --device-map would."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = config(shape, tok)
+    dtype = torch.bfloat16 if devices[0].type == "cuda" else torch.float32
     torch.manual_seed(0)
-    with torch.device(device):
+    if len(devices) == 1:
+        with torch.device(devices[0]):
+            return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    from accelerate import dispatch_model
+
+    with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    return model
+    inner, n = model.model, cfg.num_hidden_layers
+    per = -(-n // len(devices))
+    first, last = devices[0], devices[-1]
+    where = {"model.embed_tokens": first, "model.rotary_emb": first, "model.norm": last, "lm_head": last}
+    made = {"model.embed_tokens": lambda: torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id),
+            "model.rotary_emb": lambda: type(inner.rotary_emb)(config=cfg),
+            "model.norm": lambda: type(inner.norm)(cfg.hidden_size, eps=cfg.rms_norm_eps),
+            "lm_head": lambda: torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)}
+    for i in range(n):
+        where[f"model.layers.{i}"] = devices[i // per]
+        made[f"model.layers.{i}"] = lambda i=i: type(inner.layers[0])(cfg, i)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        for name, make in made.items():
+            with torch.device(where[name]):
+                module = make()
+            parent, _, attr = name.rpartition(".")
+            target = model.get_submodule(parent) if parent else model
+            if attr.isdigit():
+                target[int(attr)] = module
+            else:
+                setattr(target, attr, module)
+    finally:
+        torch.set_default_dtype(default)
+    return dispatch_model(model, device_map={k: str(v) for k, v in where.items()}, force_hooks=True)
 
 
 def document(tok, n_tokens: int, path: Path) -> Path:
@@ -105,24 +144,31 @@ def document(tok, n_tokens: int, path: Path) -> Path:
 
 
 class Gpu:
-    """Peak GPU memory beyond the weights (0 on a CPU)."""
+    """Peak GPU memory beyond the weights, the most of any GPU used (None on a CPU); per GPU in ``per_gpu()``."""
 
-    def __init__(self, device: torch.device):
-        self.on = device.type == "cuda"
-        self.device = device
-        self.weights = torch.cuda.memory_allocated(device) if self.on else 0
+    def __init__(self, devices: list[torch.device]):
+        self.devices = sorted({d for d in devices if d.type == "cuda"}, key=str)
+        self.on = bool(self.devices)
+        self.weights = {d: torch.cuda.memory_allocated(d) for d in self.devices}
 
     def reset(self) -> None:
         if self.on:
             gc.collect()
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
+            for d in self.devices:
+                torch.cuda.reset_peak_memory_stats(d)
+
+    def per_gpu(self) -> dict[str, float]:
+        return {str(d): round((torch.cuda.max_memory_allocated(d) - self.weights[d]) / GiB, 3) for d in self.devices}
 
     def peak_beyond_weights_gib(self) -> float | None:
-        return round((torch.cuda.max_memory_allocated(self.device) - self.weights) / GiB, 3) if self.on else None
+        return max(self.per_gpu().values()) if self.on else None
 
-    def free_gib(self) -> float | None:
-        return round(torch.cuda.mem_get_info(self.device)[0] / GiB, 3) if self.on else None
+    def free_gib(self) -> dict[str, float] | None:
+        return {str(d): round(torch.cuda.mem_get_info(d)[0] / GiB, 3) for d in self.devices} if self.on else None
+
+    def weights_gib(self) -> dict[str, float]:
+        return {str(d): round(b / GiB, 2) for d, b in self.weights.items()}
 
 
 def out_of_memory(e: BaseException) -> bool:
@@ -158,7 +204,7 @@ def cell(kind: str, n_target: int, lm, tok, gpu: Gpu, work: Path, a) -> dict:
         info = sekv.ingest(doc, pack, method=kind, budget=budget, model=lm, offload_kv=offload)
         row.update(n_tokens=info.n_tokens, ingest_s=round(info.total_s, 2), prefill_s=round(info.prefill_s, 2), compress_s=round(info.compress_s, 2),
                    write_s=round(info.write_s, 2), pack_gib=round(info.pack_bytes / GiB, 3), raw_kv_fp16_gib=round(info.raw_kv_fp16_bytes / GiB, 3),
-                   ingest_peak_gib_beyond_weights=gpu.peak_beyond_weights_gib(), windows=info.windows)
+                   ingest_peak_gib_beyond_weights=gpu.peak_beyond_weights_gib(), ingest_peak_per_gpu=gpu.per_gpu(), windows=info.windows)
         gpu.reset()
         t1 = time.perf_counter()
         p = sekv.open(pack, model=lm)
@@ -171,6 +217,7 @@ def cell(kind: str, n_target: int, lm, tok, gpu: Gpu, work: Path, a) -> dict:
             generated=second.tokens.generated, same_answer_twice=first.tokens.ids == second.tokens.ids,
             resident_kv_gib=round(second.memory.resident_kv_bytes_peak / GiB, 3), full_kv_gib=round(second.memory.full_kv_bytes / GiB, 3),
             resident_fraction=round(second.memory.resident_fraction, 4), ask_peak_gib_beyond_weights=gpu.peak_beyond_weights_gib(),
+            ask_peak_per_gpu=gpu.per_gpu(),
             ok=second.tokens.generated > 0,
         )
         del p, first, second
@@ -209,13 +256,16 @@ def main(argv=None) -> None:
     ap.add_argument("--offload-kv", choices=("auto", "on", "off"), default="auto", help="the ingest prefill's KV on the host (auto: when it would not fit)")
     ap.add_argument("--sekv", default=None, help="sekv contexts, comma-separated (default: the window's, 32K, 64K; 0 = the window less the reserve)")
     ap.add_argument("--full", default=None, help="the full ladder, comma-separated (default: 8K, 16K, 32K, 64K)")
+    ap.add_argument("--gpus", type=int, default=1, help="GPUs to split the model over (consecutive layer groups, accelerate's hooks between them)")
     ap.add_argument("--work-dir", default=None, help="where documents and packs are written (default: a temporary folder, removed)")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
     sekv_ctx, full_ctx = PLAN[a.shape]
     sekv_ctx = [int(x) for x in a.sekv.split(",")] if a.sekv else sekv_ctx
     full_ctx = [int(x) for x in a.full.split(",")] if a.full else full_ctx
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = torch.cuda.is_available()
+    devices = [torch.device(f"cuda:{i}") if cuda else torch.device("cpu") for i in range(max(1, a.gpus))]
+    device = devices[0]
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(a.work_dir or tempfile.mkdtemp(prefix="sekv-big-"))
@@ -223,11 +273,11 @@ def main(argv=None) -> None:
 
     import transformers
 
-    from sekv_core import models, prompt
+    from sekv_core import models, placement, prompt
     from sekv_core.ingest import RESERVE_TOKENS
     from sekv_core.methods.base import ModelShape
 
-    result: dict = {"shape": a.shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+    result: dict = {"shape": a.shape, "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
                     "torch": torch.__version__, "transformers": transformers.__version__, "budget": a.budget, "new_tokens": a.new_tokens,
                     "offload_kv": a.offload_kv, "time_limit_s": a.time_limit, "argv": sys.argv[1:], "cells": [], "skipped": []}
 
@@ -239,14 +289,15 @@ def main(argv=None) -> None:
 
     tok = tokenizer()
     t0 = time.perf_counter()
-    model = build_model(a.shape, tok, device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    model = build_model(a.shape, tok, devices)
+    for d in {d for d in devices if d.type == "cuda"}:
+        torch.cuda.synchronize(d)
     lm = models.wrap(model, tok, "random-llama3.1-70b-shape" if a.shape == "70b" else "random-llama-tiny")
-    gpu = Gpu(device)
+    gpu = Gpu(devices)
     window = models.context_window(model.config)
     result.update(build_s=round(time.perf_counter() - t0, 1), weights_gib=round(sum(p.numel() * p.element_size() for p in model.parameters()) / GiB, 2),
-                  allocated_after_build_gib=round(gpu.weights / GiB, 2), free_after_build_gib=gpu.free_gib(), window=window,
+                  allocated_after_build_gib=gpu.weights_gib(), free_after_build_gib=gpu.free_gib(), window=window, gpus=a.gpus,
+                  placement=placement.describe(model) if placement.is_mapped(model) else str(device),
                   kv_kib_per_token=ModelShape.of(model.config, next(model.parameters()).dtype).kv_bytes_per_token() / 1024)
     save()
     long_ctx = window - RESERVE_TOKENS - 64  # the longest document that is one window (and its question's reserve)

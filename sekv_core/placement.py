@@ -196,5 +196,6 @@ def describe(model) -> str:
 
     counts = Counter(str(d) for d in layer_devices(model))
     where = Counter(str(v) for v in (getattr(model, "hf_device_map", None) or {}).values())
-    off = [f"{where[k]} module(s) offloaded to {k}" for k in ("cpu", "disk") if where.get(k)]
+    accelerated = input_device(model).type != "cpu"
+    off = [f"{where[k]} module(s) offloaded to {k}" for k in ("cpu", "disk") if where.get(k) and (accelerated or k == "disk")]
     return ", ".join([f"{n} layer(s) on {d}" for d, n in counts.items()] + off)

@@ -110,11 +110,11 @@ class Session:
         return Answer(text, ids, stats)
 
 
-def open_memory(method: str, store, params: Params, shape: ModelShape, model) -> KVMemory:
+def open_memory(method, store, params: Params, shape: ModelShape, model) -> KVMemory:
     """A method's runtime memory for a loaded model: on its device, or, for a model placed across devices
     (sekv_core/placement.py), each layer's KV on its layer's device where the method can (``per_layer_devices``),
     else on the model's input device with the other layers' tokens handed there by the attention hook."""
-    cache_method = methods.get(method)
+    cache_method = methods.get(method) if isinstance(method, str) else method  # a name, or a CacheMethod
     home = placement.input_device(model)
     if not placement.is_mapped(model):
         return cache_method.open(store, params, shape, home)
