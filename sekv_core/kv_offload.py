@@ -81,18 +81,21 @@ class HostKV(GrowingKV):
     def nbytes(self) -> int:
         return 0  # nothing on the compute device between forwards
 
-    def layers(self, n: int) -> tuple["LayersOn", "LayersOn"]:
-        """The first n tokens' keys and values, read a layer at a time on its device as [Hkv, n, d], once the copies
-        to the host are done."""
+    def layers(self, n: int, device: torch.device) -> tuple["LayersOn", "LayersOn"]:
+        """The first n tokens' keys and values, read a layer at a time on ``device`` as [Hkv, n, d], once the copies to
+        the host are done."""
         for d in {d for d in self.devices if d.type == "cuda"}:
             torch.cuda.synchronize(d)
         head_major = lambda x: x.transpose(0, 1)  # noqa: E731 - [n, Hkv, d] -> [Hkv, n, d], on the device
-        return (LayersOn([h[:n] for h in self.hk], self.devices, head_major), LayersOn([h[:n] for h in self.hv], self.devices, head_major))
+        on = [device] * len(self.hk)
+        return LayersOn([h[:n] for h in self.hk], on, head_major), LayersOn([h[:n] for h in self.hv], on, head_major)
 
 
 class LayersOn(Sequence):
-    """Per-layer host tensors read as device tensors: item i is host[i] on devices[i] (copied when read), after
-    ``fn`` (a view such as a slice, applied on the device).  ``map(g)`` composes another view lazily."""
+    """Per-layer tensors read on a device: item i is host[i] (in host memory, or on another device) on devices[i]
+    (copied when read), after ``fn`` (a view such as a slice, applied there).  ``map(g)`` composes another view
+    lazily.  What compress() gets from a prefill offloaded to the host, or from a model across devices (every layer
+    on the input device, where compress runs)."""
 
     def __init__(self, host: list[torch.Tensor], devices: Sequence[torch.device], fn: Callable | None = None):
         self.host, self.devices, self.fn = host, list(devices), fn
@@ -103,7 +106,7 @@ class LayersOn(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        x = self.host[i].to(self.devices[i], non_blocking=self.devices[i].type != "cpu")
+        x = self.host[i].to(self.devices[i], non_blocking=self.host[i].device.type == "cpu" and self.devices[i].type != "cpu")
         return self.fn(x) if self.fn is not None else x
 
     def host_items(self) -> list[torch.Tensor]:

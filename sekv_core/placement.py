@@ -176,8 +176,13 @@ def layer_devices(model) -> list:
 
 
 def is_mapped(model) -> bool:
-    """Whether accelerate placed the model (hooks move inputs between devices, offloaded weights are streamed)."""
-    return bool(getattr(model, "hf_device_map", None)) and any(hasattr(m, "_hf_hook") for m in model.modules())
+    """Whether accelerate placed the model (hooks move inputs between devices, offloaded weights are streamed);
+    remembered on the model (it is asked at every forward)."""
+    known = getattr(model, "_sekv_mapped", None)
+    if known is None:
+        known = bool(getattr(model, "hf_device_map", None)) and any(hasattr(m, "_hf_hook") for m in model.modules())
+        model._sekv_mapped = known
+    return known
 
 
 def spans_devices(model) -> bool:

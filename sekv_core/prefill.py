@@ -55,6 +55,7 @@ def prefill(
         memory = ScoreMemory(kv, shape, n, capture, obs_window)
     else:
         memory = FullMemory(kv, shape)
+    memory.layer_devices = devices
     head = model.get_output_embeddings()
     surprisal = torch.zeros(n, dtype=torch.float32, device=device)  # to the host once, at the end: no sync per block
     block = _HEAD_BLOCK_CUDA if device.type == "cuda" else _HEAD_BLOCK
@@ -73,11 +74,13 @@ def prefill(
         if progress:
             progress(min(start + chunk, n), n)
     surprisal = surprisal.cpu()
-    if offload_kv:  # host buffers, read by compress() a layer at a time on the layer's device
-        keys, values = kv.layers(n)
+    if offload_kv:  # host buffers, read by compress() a layer at a time on the input device
+        keys, values = kv.layers(n, device)
     else:
         keys = [memory.kv.k[i][0, :, :n] for i in range(shape.n_layers)]
         values = [memory.kv.v[i][0, :, :n] for i in range(shape.n_layers)]
+        if any(d != device for d in devices):  # a model across devices: compress() reads each layer on the input device
+            keys, values = kv_offload.LayersOn(keys, [device] * len(keys)), kv_offload.LayersOn(values, [device] * len(values))
     scores = memory.export() if capture else {}
     return PrefillResult(ids[0].cpu(), keys, values, surprisal if with_surprisal else None, shape, scores=scores,
                          model_fingerprint=str(getattr(model, "sekv_fingerprint", "")), model_id=str(getattr(model, "sekv_model_id", "")), model=model)

@@ -94,7 +94,13 @@ def using(memory: Memory):
 
 
 def forward_hidden(model, input_ids: torch.Tensor, start: int, memory: Memory) -> torch.Tensor:
-    """Run the decoder body on new tokens at absolute positions start.. ; return last hidden states."""
+    """Run the decoder body on new tokens at absolute positions start.. ; return last hidden states.  On a model placed
+    across devices (sekv_core/placement.py), a memory that does not say where its layers are (``layer_devices``) is
+    on the model's input device, where its layers' new tokens are handed (_attention)."""
+    from . import placement
+
+    if getattr(memory, "layer_devices", None) is None and placement.is_mapped(model):
+        memory.layer_devices = [placement.input_device(model)] * len(placement.decoder_layers(model))
     pos = torch.arange(start, start + input_ids.shape[-1], device=input_ids.device).unsqueeze(0)
     with using(memory), torch.inference_mode():
         out = model.get_decoder()(input_ids=input_ids, position_ids=pos, use_cache=False)
