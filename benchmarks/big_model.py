@@ -236,14 +236,14 @@ def cell(kind: str, n_target: int, lm, tok, gpu: Gpu, work: Path, a) -> dict:
 
 
 def estimate_s(done: list[dict], n: int) -> float:
-    """A cell's wall time from the measured ones (linear + quadratic in tokens, scaled by the largest done); 0 when
-    nothing is measured yet."""
+    """A cell's wall time from the measured ones: the largest scaled (half linear, half quadratic in tokens) plus the
+    shortest (what a cell costs whatever its length: opening, two asks); 0 when nothing is measured yet."""
     ok = [r for r in done if r.get("n_tokens") and r.get("wall_s")]
     if not ok:
         return 0.0
     r = max(ok, key=lambda x: x["n_tokens"])
     x = n / r["n_tokens"]
-    return r["wall_s"] * (0.5 * x + 0.5 * x * x)
+    return r["wall_s"] * (0.5 * x + 0.5 * x * x) + min(c["wall_s"] for c in ok)
 
 
 def main(argv=None) -> None:
