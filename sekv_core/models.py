@@ -405,6 +405,8 @@ def load(model: str = DEFAULT_MODEL, device: str | None = None, dtype=None, prog
             raise ModelError(f"could not load model '{model}': {(str(e).splitlines() or [type(e).__name__])[0]}") from None
     if not mapped:
         m.to(device)
+    elif isinstance(device_map, dict):
+        placement.check_module_names(m, device_map)
     m.eval().requires_grad_(False)
     m.sekv_offload_dir = offload
     runtime.install(m)

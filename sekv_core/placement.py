@@ -91,6 +91,15 @@ def check_devices(device_map, max_memory) -> None:
             raise ModelError(f"--device-map / --max-memory name GPU {idx}, but this machine has {have}")
 
 
+def check_module_names(model, device_map: dict) -> None:
+    """Every module a JSON --device-map names is one of the model's ("" is the whole model)."""
+    names = {n for n, _ in model.named_modules()}
+    unknown = [k for k in device_map if k not in names]
+    if unknown:
+        some = ", ".join(n for n, _ in model.named_children())
+        raise ModelError(f"--device-map names {unknown[0]!r}, which is not a module of this model (its top-level modules: {some})")
+
+
 def load_kwargs(device_map, max_memory, offload_dir: Path) -> dict:
     """from_pretrained's placement arguments for a parsed --device-map / --max-memory (a strategy by default when only
     --max-memory is given)."""

@@ -105,7 +105,8 @@ def test_cli_bad_values_exit_2(tiny_qwen, tmp_path):
     runner = CliRunner()
     doc = tmp_path / "d.txt"
     doc.write_text("A short document.")
-    for args in (["--device-map", "{nope"], ["--max-memory", "cpu"], ["--device-map", '{"model": 3}'], ["--device", "cpu", "--device-map", "auto"]):
+    for args in (["--device-map", "{nope"], ["--max-memory", "cpu"], ["--device-map", '{"model": 3}'], ["--device", "cpu", "--device-map", "auto"],
+                 ["--device-map", '{"model.no_such_module": "cpu"}']):
         r = runner.invoke(app, ["ingest", str(doc), "--model", str(tiny_qwen), *args])
         assert r.exit_code == 2, r.output
         lines = [x for x in r.output.splitlines() if x.strip()]
