@@ -111,3 +111,18 @@ def test_cli_bad_values_exit_2(tiny_qwen, tmp_path):
         assert r.exit_code == 2, r.output
         lines = [x for x in r.output.splitlines() if x.strip()]
         assert lines[-1].startswith("sekv: error: ") and "Traceback" not in r.output, r.output
+
+
+def test_offloaded_windowed_ingest_writes_the_same_pack(lm, tmp_path, monkeypatch):
+    """A document read in windows (sekv_core/windows.py: later windows' keys re-positioned as they are read) makes
+    the same sekv pack with its prefill's KV on the host."""
+    from sekv_core.ingest import WINDOW_ENV
+    from sekv_core.pack import read_pack
+
+    monkeypatch.setenv(WINDOW_ENV, "1024")
+    a = sekv.ingest(SAMPLE_MD, tmp_path / "a.sekv", model=lm, offload_kv=False)
+    b = sekv.ingest(SAMPLE_MD, tmp_path / "b.sekv", model=lm, offload_kv=True)
+    assert a.windows == b.windows > 2
+    pa, pb = read_pack(a.pack_path), read_pack(b.pack_path)
+    assert sorted(pa.keys()) == sorted(pb.keys())
+    assert all(torch.equal(pa.get(k), pb.get(k)) for k in pa.keys())
