@@ -220,12 +220,15 @@ def check_pack_tensors(pack: Pack, shape: ModelShape) -> None:
 @contextlib.contextmanager
 def loading(pack: Pack, stage: str):
     """Anything but a SekvError while a pack is checked or opened is a pack the checks did not anticipate: one
-    PackError (the traceback stays with it for -v / SEKV_DEBUG)."""
+    PackError (the traceback stays with it for -v / SEKV_DEBUG).  Running out of memory is not the pack's fault
+    (a KV cache bigger than the GPU holds): it goes on as it is."""
     try:
         yield
-    except SekvError:
+    except (SekvError, MemoryError):
         raise
     except Exception as e:
+        if type(e).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
+            raise
         raise PackError(f"{pack.path}: the pack's contents are inconsistent ({stage}: {type(e).__name__}); re-ingest the document") from e
 
 
