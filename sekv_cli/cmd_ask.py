@@ -17,14 +17,16 @@ from sekv_core.errors import SekvError
 from sekv_core.sampling import Sampling
 from sekv_core.session import Session
 
-from .common import user_errors, BudgetOpt, QuietOpt, VerboseOpt, CompileOpt, DeviceOpt, MethodOpt, ModelOpt, RouterOpt, RoutingOpt, method_overrides
+from .common import user_errors, BudgetOpt, QuietOpt, VerboseOpt, CompileOpt, DeviceMapOpt, DeviceOpt, MaxMemoryOpt, MethodOpt, ModelOpt, RouterOpt, RoutingOpt, method_overrides, placement
 from .display import err, human_bytes, kv_table, model_progress, out, safe, safe_line, stats_rows
 from sekv_core.evidence import evidence_rows, label as evidence_label
 
 
-def open_session(pack: Path, model, method, budget, device, quiet: bool, router: str | None = None, routing: str | None = None) -> Session:
+def open_session(pack: Path, model, method, budget, device, quiet: bool, router: str | None = None, routing: str | None = None,
+                 device_map: str | None = None, max_memory: str | None = None) -> Session:
+    place = placement(device, device_map, max_memory)
     with model_progress(not quiet) as cb:
-        return Session.open(pack, model=model, method=method, params=method_overrides(budget, router, routing), device=device, progress=cb)
+        return Session.open(pack, model=model, method=method, params=method_overrides(budget, router, routing), progress=cb, **place)
 
 
 def live_line(memory) -> str:
@@ -150,6 +152,8 @@ def ask(
     routing: str = RoutingOpt,
     model: str = ModelOpt,
     device: str = DeviceOpt,
+    device_map: str = DeviceMapOpt,
+    max_memory: str = MaxMemoryOpt,
     compile_layers: bool = CompileOpt,
     quiet: bool = QuietOpt,
     verbose: bool = VerboseOpt,
@@ -158,7 +162,7 @@ def ask(
     sampling = Sampling(temperature, top_p, seed)
     todo = read_questions(questions, questions_file)
     quiet = quiet or as_json
-    session = open_session(pack, model, method, budget, device, quiet=quiet, router=router, routing=routing)
+    session = open_session(pack, model, method, budget, device, quiet=quiet, router=router, routing=routing, device_map=device_map, max_memory=max_memory)
     session.compile_layers = compile_layers
     if verbose and not quiet:
         err.print(Text(f"{safe_line(session.pack.path)}: {session.base_tokens} tokens, method {session.method}, model {safe_line(session.lm.model_id)}, "

@@ -13,7 +13,7 @@ from rich.table import Table
 from sekv_core import methods, models
 from sekv_core.errors import SekvError
 
-from .common import DeviceOpt, ModelOpt, user_errors
+from .common import DeviceMapOpt, DeviceOpt, MaxMemoryOpt, ModelOpt, placement, user_errors
 from .display import err
 
 TASK_HELP = (
@@ -133,6 +133,8 @@ def bench(
     haystack: Path = typer.Option(None, "--haystack", help="folder of .txt files for the NIAH haystack (default: $SEKV_HAYSTACK or shared/data/haystack/pg_essays)"),
     max_new_tokens: int = typer.Option(None, "--max-new-tokens", "-n", min=1, help="answer length cap (default: per task, 24-48)"),
     device: str = DeviceOpt,
+    device_map: str = DeviceMapOpt,
+    max_memory: str = MaxMemoryOpt,
     threads: int = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: torch's own; 1 is often faster on a busy machine)"),
     report_only: bool = typer.Option(False, "--report-only", help="only re-write summary.md and the plots from results.jsonl"),
     no_plots: bool = typer.Option(False, "--no-plots", help="summary.md only"),
@@ -149,6 +151,7 @@ def bench(
         return
     if target is not None:
         raise SekvError(f"unexpected argument '{target}' (only `sekv bench report DIR` takes a directory argument)")
+    place = placement(device, device_map, max_memory)
 
     cfg = runner.BenchConfig(
         tasks=tasks.expand_tasks(task),
@@ -175,7 +178,7 @@ def bench(
 
         torch.set_num_threads(threads)
     with model_progress(not quiet) as cb:
-        lm = models.load(model or models.DEFAULT_MODEL, device=device, progress=cb)
+        lm = models.load(model or models.DEFAULT_MODEL, progress=cb, **place)
     cols = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TimeRemainingColumn(), TextColumn("{task.fields[status]}"))
     if quiet:

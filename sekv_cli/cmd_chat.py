@@ -15,7 +15,7 @@ from sekv_core.sampling import Sampling
 from . import transcript
 from .chat_input import LineReader, history_path
 from .cmd_ask import SeedOpt, TemperatureOpt, TopPOpt, open_session, run_question
-from .common import user_errors, BudgetOpt, CompileOpt, DeviceOpt, MethodOpt, ModelOpt, QuietOpt, RouterOpt, RoutingOpt, VerboseOpt, method_overrides
+from .common import user_errors, BudgetOpt, CompileOpt, DeviceMapOpt, DeviceOpt, MaxMemoryOpt, MethodOpt, ModelOpt, QuietOpt, RouterOpt, RoutingOpt, VerboseOpt, method_overrides
 from .display import err, kv_table, safe, safe_line, stats_rows
 from sekv_core.evidence import evidence_rows, label as evidence_label
 
@@ -100,6 +100,8 @@ def chat(
     routing: str = RoutingOpt,
     model: str = ModelOpt,
     device: str = DeviceOpt,
+    device_map: str = DeviceMapOpt,
+    max_memory: str = MaxMemoryOpt,
     compile_layers: bool = CompileOpt,
     quiet: bool = QuietOpt,
     verbose: bool = VerboseOpt,
@@ -107,7 +109,7 @@ def chat(
     """Ask questions about PACK's document, one after another (/help lists the commands)."""
     sampling = Sampling(temperature, top_p, seed)
     overrides = method_overrides(budget, router, routing)
-    session = open_session(pack, model, method, budget, device, quiet=quiet, router=router, routing=routing)
+    session = open_session(pack, model, method, budget, device, quiet=quiet, router=router, routing=routing, device_map=device_map, max_memory=max_memory)
     session.compile_layers = compile_layers
     reader = LineReader()
     if not quiet:

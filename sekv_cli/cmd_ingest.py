@@ -9,7 +9,7 @@ import typer
 from sekv_core import methods, models
 from sekv_core.ingest import ingest as run_ingest
 
-from .common import user_errors, BudgetOpt, DeviceOpt, MethodOpt, ModelOpt, RouterOpt, RoutingOpt, method_overrides
+from .common import user_errors, BudgetOpt, DeviceMapOpt, DeviceOpt, MaxMemoryOpt, MethodOpt, ModelOpt, RouterOpt, RoutingOpt, method_overrides, placement
 from rich.text import Text
 
 from sekv_core.errors import SekvError
@@ -36,6 +36,10 @@ def ingest(
         "methods get YaRN x2-x4 past it), none, or yarn:F"
     ),
     device: str = DeviceOpt,
+    device_map: str = DeviceMapOpt,
+    max_memory: str = MaxMemoryOpt,
+    offload_kv: bool = typer.Option(None, "--offload-kv/--no-offload-kv", help="keep the prefill's KV in host memory, chunk by chunk "
+                                    "(default: when the document's full KV would not fit the GPU)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),
     force: bool = typer.Option(False, "--force", help="let -o replace an existing file that is not a sekv pack"),
     max_input_mb: float = typer.Option(256, "--max-input-mb", help="the largest document read, in MiB (several: each file, and their text joined)"),
@@ -44,6 +48,7 @@ def ingest(
     system_file: Path = typer.Option(None, "--system-file", help="read the --system prompt from a UTF-8 text file"),
 ) -> None:
     """Read DOCUMENT once with the model and save its KV memory as a context pack."""
+    place = placement(device, device_map, max_memory)
     method = method or methods.DEFAULT_METHOD
     overrides = method_overrides(budget, router, routing) | ({"factor_bits": factor_bits} if factor_bits is not None else {})
     params = methods.get(method).resolve_params(overrides)
@@ -70,8 +75,9 @@ def ingest(
     prepare_output(output or default_pack_path(doc.path), force=force, inputs=inputs).discard()  # before the model loads
     with ingest_progress(not quiet) as view:
         with stage("model load"):
-            lm = models.load(model or models.DEFAULT_MODEL, device=device, progress=view.model if view else None)
-        r = run_ingest(doc, output, lm=lm, method=method, params=params, force=force, progress=view, system=system, rope_scaling=rope_scaling)
+            lm = models.load(model or models.DEFAULT_MODEL, progress=view.model if view else None, **place)
+        r = run_ingest(doc, output, lm=lm, method=method, params=params, force=force, progress=view, system=system, rope_scaling=rope_scaling,
+                       offload_kv=offload_kv)
     if not quiet:
         err.print(
             Text.assemble(

@@ -12,6 +12,11 @@ from sekv_core.methods import DEFAULT_METHOD
 MODEL_HELP = "embedded model name (see `sekv models list`), a local HF model directory, or a hub id with SEKV_ONLINE=1"
 ModelOpt = typer.Option(None, "--model", "-m", help=MODEL_HELP)
 DeviceOpt = typer.Option(None, "--device", help="cpu, cuda or cuda:N (default: cuda when available)")
+DeviceMapOpt = typer.Option(
+    None, "--device-map", help="place the model's layers with accelerate: auto, balanced, balanced_low_0, sequential, or a JSON "
+    "object {module: GPU index | cpu | disk} (default: one device, or auto when the weights do not fit the GPU)"
+)
+MaxMemoryOpt = typer.Option(None, "--max-memory", help="with --device-map: the most each device may hold, e.g. 0=120GiB,1=130GiB,cpu=200GiB")
 MethodOpt = typer.Option(None, "--method", help=f"cache method (default at ingest: {DEFAULT_METHOD})")
 CompileOpt = typer.Option(
     False, "--compile", help="fuse the model's small kernels in decode steps with torch.compile (CUDA only, ignored on the CPU; "
@@ -33,6 +38,19 @@ RoutingOpt = typer.Option(
 
 QuietOpt = typer.Option(False, "--quiet", "-q", help="nothing on stderr but errors (no progress, banners or statistics)")
 VerboseOpt = typer.Option(False, "--verbose", "-v", help="more detail on stderr, and a traceback with any error (as SEKV_DEBUG=1)")
+
+
+def placement(device: str | None, device_map: str | None, max_memory: str | None) -> dict:
+    """models.load's placement arguments from --device / --device-map / --max-memory, checked before anything loads
+    (a bad value: one line, exit 2)."""
+    from sekv_core import placement as place
+    from sekv_core.errors import ModelError
+
+    dm, mm = place.parse_device_map(device_map), place.parse_max_memory(max_memory)
+    if device is not None and (dm is not None or mm is not None):
+        raise ModelError("give --device or --device-map / --max-memory, not both (a device map places every layer)")
+    place.check_devices(dm if isinstance(dm, dict) else None, mm)
+    return {"device": device, "device_map": dm, "max_memory": mm}
 
 
 def method_overrides(budget: float | None, router: str | None = None, routing: str | None = None) -> dict:

@@ -131,17 +131,18 @@ def retune(session: Session, overrides: dict[str, Any]) -> Session:
     """The same pack and loaded model with other ask-time parameters (e.g. a budget): only the memory is rebuilt."""
     method, params = resolve_method(session.pack, session.method, overrides)
     lm = session.lm
-    param = next(lm.model.parameters())
-    memory = methods.get(method).open(session.pack, params, ModelShape.of(lm.config, param.dtype), param.device)
+    from .session import open_memory
+
+    memory = open_memory(method, session.pack, params, ModelShape.of(lm.config, next(lm.model.parameters()).dtype), lm.model)
     new = Session(session.pack, lm, method, params, memory, session.load_s)
     new.compile_layers = session.compile_layers
     return new
 
 
-def _load(model: str | models.LoadedModel | None, default: str, device: str | None) -> models.LoadedModel:
+def _load(model: str | models.LoadedModel | None, default: str, device: str | None, **placed) -> models.LoadedModel:
     if isinstance(model, models.LoadedModel):
         return model
-    return models.load(model or default, device=device)
+    return models.load(model or default, device=device, **placed)
 
 
 def ingest(
@@ -155,12 +156,18 @@ def ingest(
     params: dict[str, Any] | None = None,
     system: str | None = None,
     rope_scaling: str = "auto",
+    device_map: str | dict | None = None,
+    max_memory: str | dict | None = None,
+    offload_kv: bool | None = None,
 ) -> IngestResult:
     """Read the document at ``path`` (.pdf, .txt, .md) once and write its context pack to ``out`` (default: beside
     it, suffix .sekv).  ``model``: an embedded model name, a local Hugging Face directory or a loaded model;
     ``params``: further method parameters (as the CLI's options); ``system``: the system prompt to prefill with the
     document (None: the default); ``rope_scaling``: "auto", "none" or "yarn:F" (sekv_core/rope_scaling.py).
-    A list of paths (files, folders) makes one pack of several documents (documents.load_corpus; needs ``out``)."""
+    A list of paths (files, folders) makes one pack of several documents (documents.load_corpus; needs ``out``).
+    ``device_map`` / ``max_memory``: place the model across devices (as ``--device-map`` / ``--max-memory``,
+    sekv_core/placement.py); ``offload_kv``: keep the prefill's KV in host memory, chunk by chunk (None: when it
+    would not fit the GPU; sekv_core/kv_offload.py)."""
     from .documents import load_corpus
     from .ingest import ingest as run_ingest
 
@@ -171,8 +178,8 @@ def ingest(
 
     parse(rope_scaling)
     doc = load_corpus(list(path) if isinstance(path, (list, tuple)) else [path])  # a bad document fails before the model loads
-    lm = _load(model, models.DEFAULT_MODEL, device)
-    return run_ingest(doc, out, lm=lm, method=method, params=resolved, system=system, rope_scaling=rope_scaling)
+    lm = _load(model, models.DEFAULT_MODEL, device, device_map=device_map, max_memory=max_memory)
+    return run_ingest(doc, out, lm=lm, method=method, params=resolved, system=system, rope_scaling=rope_scaling, offload_kv=offload_kv)
 
 
 def open(  # noqa: A001 - `sekv.open(path)` reads like the builtin on purpose
@@ -183,12 +190,15 @@ def open(  # noqa: A001 - `sekv.open(path)` reads like the builtin on purpose
     budget: float | None = None,
     device: str | None = None,
     params: dict[str, Any] | None = None,
+    device_map: str | dict | None = None,
+    max_memory: str | dict | None = None,
 ) -> "Pack":
     """Open a context pack: its model (the one it was made with unless ``model`` is given) is loaded once.
     ``method``/``budget``/``params``: ask-time overrides the pack's method allows (as `sekv ask`'s options)."""
     overrides = dict(params or {}) | ({"budget": budget} if budget is not None else {})
     lm = model if isinstance(model, models.LoadedModel) else None
-    session = Session.open(path, model=None if lm else model, lm=lm, method=method, params=overrides, device=device)
+    session = Session.open(path, model=None if lm else model, lm=lm, method=method, params=overrides, device=device,
+                           device_map=device_map, max_memory=max_memory)
     return Pack(session, overrides)
 
 

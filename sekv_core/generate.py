@@ -56,7 +56,9 @@ def generate(
     None = on CUDA.  compile_layers: those steps' decoder layers run torch.compile'd (GraphedStep).  question: the
     question's text, for memories that rank what to read by it (sekv's lexical evidence).  sampler: logits -> next
     token (sekv_core/sampling.py); None = greedy."""
-    device = next(model.parameters()).device
+    from .placement import input_device
+
+    device = input_device(model)
     if graphs is None:
         graphs = device.type == "cuda"
     graphed = None

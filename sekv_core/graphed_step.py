@@ -76,7 +76,9 @@ class GraphedStep:
     def __init__(self, model, memory: KVMemory, capture: bool | None = None, compile_layers: bool = False):
         self.model, self.memory = model, memory
         self.compile_layers = compile_layers
-        dev = next(model.parameters()).device
+        from .placement import input_device
+
+        dev = input_device(model)
         self.capture = dev.type == "cuda" if capture is None else capture
         self.tok = torch.zeros(1, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, 1, dtype=torch.long, device=dev)
@@ -87,7 +89,11 @@ class GraphedStep:
 
     @staticmethod
     def supported(model, memory: KVMemory) -> bool:
-        return memory.static_supported()
+        """The memory has a static step, and the model runs on one device with its weights resident (a model placed
+        across devices or streaming offloaded weights, sekv_core/placement.py, runs its steps eagerly)."""
+        from .placement import spans_devices
+
+        return memory.static_supported() and not spans_devices(model)
 
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         """token: [1, 1] long on the model's device -> the last hidden state [1, 1, D]."""

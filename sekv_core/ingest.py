@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import __version__, methods, models, prompt, windows, rope_scaling as rope_scale
+from . import __version__, methods, models, placement, prompt, windows, rope_scaling as rope_scale
 from .documents import Document, load_document
 from .errors import DocumentError, stage
 from .methods import scores
@@ -158,11 +158,13 @@ def ingest(
     progress: Callable[[IngestProgress], None] | None = None,
     system: str | None = None,
     rope_scaling: str | float | None = "auto",
+    offload_kv: bool | None = None,
 ) -> IngestResult:
     """Document (a loaded one, or a path) -> pack.  The output is checked and reserved before the prefill (see
     pack.prepare_output); each stage's unexpected failure is one error naming it (errors.stage), and nothing is
     left at the output path unless the whole pack was written.  A document longer than the model's window is
-    prefilled in windows for a method that takes them (plan_windows)."""
+    prefilled in windows for a method that takes them (plan_windows).  offload_kv: the prefill's KV in host memory,
+    chunk by chunk (sekv_core/kv_offload.py); None: when it would not fit the GPU."""
     t0 = time.perf_counter()
     if not isinstance(doc, Document):
         doc = load_document(doc)
@@ -184,11 +186,11 @@ def ingest(
     try:
         needs = cache_method.needs_scores
         text_scores = scores.text_scores(lm.tokenizer, prompt.document_prefix(lm.tokenizer, doc.text, system), ids, needs, system)
-        on_gpu = next(lm.model.parameters()).device.type == "cuda"
+        on_gpu = placement.input_device(lm.model).type == "cuda"
         if on_gpu and len(plan) == 1:  # host memory for compress's results, ready by the time it runs
             cache_method.reserve_host(len(ids), shape, params)
         kw = dict(with_surprisal=cache_method.needs_surprisal, chunk=chunk, capture=scores.capture_kinds(needs),
-                  obs_window=cache_method.obs_window(params))
+                  obs_window=cache_method.obs_window(params), offload_kv=offload_kv)
         spent = {"prefill": 0.0}
 
         def window_prefills():

@@ -343,7 +343,7 @@ def check_device(device: str | None) -> str:
     return str(dev)
 
 
-def load_named_by_pack(model_id: str, device: str | None = None, dtype=None) -> LoadedModel:
+def load_named_by_pack(model_id: str, device: str | None = None, dtype=None, **placed) -> LoadedModel:
     """The model a pack names: an installed embedded model or an existing local model directory.  A pack never makes
     sekv install, download or pip anything: ModelError saying what to run instead."""
     if not isinstance(model_id, str):
@@ -351,46 +351,81 @@ def load_named_by_pack(model_id: str, device: str | None = None, dtype=None) -> 
     if model_id in EMBEDDED:
         if not is_installed(model_id):
             raise ModelError(f"the pack was made with model '{model_id}', which is not installed; run `sekv models install {model_id}`")
-        return load(model_id, device=device, dtype=dtype)
+        return load(model_id, device=device, dtype=dtype, **placed)
     p = Path(model_id)
     if p.is_absolute() and p.is_dir() and (p / "config.json").is_file():
-        return load(str(p), device=device, dtype=dtype)
+        return load(str(p), device=device, dtype=dtype, **placed)
     raise ModelError(
         f"the pack was made with model {model_id!r}, which is neither an installed embedded model ({', '.join(EMBEDDED)}) "
         "nor a local model directory here; pass --model NAME|DIR"
     )
 
 
-def load(model: str = DEFAULT_MODEL, device: str | None = None, dtype=None, progress: Progress | None = None) -> LoadedModel:
+def load(model: str = DEFAULT_MODEL, device: str | None = None, dtype=None, progress: Progress | None = None,
+         device_map=None, max_memory=None) -> LoadedModel:
     """Load a frozen causal LM and its tokenizer, with sekv's attention hook installed.
 
     On CUDA the weights go straight to the device (``device_map``), cast there, instead of being materialised and
     converted on the host first, and the tokenizer (with its fingerprint) loads on a second thread meanwhile: its JSON
-    parse overlaps the weights' reads and copies.  On the CPU both are CPU-bound and load one after the other."""
+    parse overlaps the weights' reads and copies.  On the CPU both are CPU-bound and load one after the other.
+
+    ``device_map`` / ``max_memory`` (``--device-map`` / ``--max-memory``: strings or parsed values,
+    sekv_core/placement.py) place the layers with accelerate across GPUs, CPU and disk instead of one device; without
+    them a CUDA model whose weights would not fit its GPU is placed with ``"auto"``."""
+    import tempfile
+
     import torch
     from transformers import AutoModelForCausalLM
 
-    from . import runtime
+    from . import placement, runtime
 
     quiet_transformers()
+    if isinstance(device_map, str):
+        device_map = placement.parse_device_map(device_map)
+    if isinstance(max_memory, str):
+        max_memory = placement.parse_max_memory(max_memory)
+    mapped = device_map is not None or max_memory is not None
+    if mapped and device is not None:
+        raise ModelError("give --device or --device-map / --max-memory, not both (a device map places every layer)")
     device = check_device(device)
     model_id, where = resolve(model, progress)
     dtype = dtype or default_dtype(device)
     local = isinstance(where, Path)
+    if not mapped and placement.needs_map(where, device, torch.empty(0, dtype=dtype).element_size()):
+        device_map, mapped = "auto", True
     cuda = device.startswith("cuda")
-    on_device = {"device_map": torch.device(device)} if cuda else {}
+    offload = tempfile.TemporaryDirectory(prefix="sekv-offload-") if mapped else None  # removed with the model
+    on_device = placement.load_kwargs(device_map, max_memory, Path(offload.name)) if mapped else {"device_map": torch.device(device)} if cuda else {}
     with ThreadPoolExecutor(1) if cuda else _Inline() as pool:
         tok_job = pool.submit(_load_tokenizer, where, local)
         try:
             m = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, local_files_only=local, **on_device)
             tok, tok_fp = tok_job.result()
-        except (OSError, ValueError) as e:
-            raise ModelError(f"could not load model '{model}': {str(e).splitlines()[0]}") from None
-    m.to(device).eval().requires_grad_(False)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            raise ModelError(f"could not load model '{model}': {(str(e).splitlines() or [type(e).__name__])[0]}") from None
+    if not mapped:
+        m.to(device)
+    elif isinstance(device_map, dict):
+        placement.check_module_names(m, device_map)
+    m.eval().requires_grad_(False)
+    m.sekv_offload_dir = offload
     runtime.install(m)
     fp = _weights_fingerprint(where) if local else hashlib.sha256(json.dumps(m.config.to_dict(), sort_keys=True).encode()).hexdigest()
     m.sekv_fingerprint, m.sekv_model_id = fp, model_id  # read by prefill(): methods that pick model-specific files need them
     return LoadedModel(m, tok, model_id, fp, tok_fp, where if local else Path(str(where)))
+
+
+def wrap(model, tokenizer, model_id: str) -> LoadedModel:
+    """A model built in memory (no directory: e.g. random weights of a given shape) as a LoadedModel, with sekv's
+    attention hook installed; its fingerprint is its config's (packs it makes open only with the same in-memory
+    model: its weights are nowhere else)."""
+    from . import runtime
+
+    model.eval().requires_grad_(False)
+    runtime.install(model)
+    fp = hashlib.sha256(("in-memory:" + json.dumps(model.config.to_dict(), sort_keys=True, default=str)).encode()).hexdigest()
+    model.sekv_fingerprint, model.sekv_model_id = fp, model_id
+    return LoadedModel(model, tokenizer, model_id, fp, tokenizer_fingerprint(tokenizer), Path(model_id))
 
 
 class _Inline:

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import torch
 
 from . import runtime
-from .methods.base import ModelShape, PrefillResult
+from .methods.base import GrowingKV, ModelShape, PrefillResult
 from .methods.full import FullMemory
 
 DEFAULT_CHUNK = 1024
@@ -30,18 +30,32 @@ def prefill(
     progress: Callable[[int, int], None] | None = None,
     capture: Sequence[str] = (),
     obs_window: int = 64,
+    offload_kv: bool | None = None,
 ) -> PrefillResult:
-    """capture: prefill statistics to record into PrefillResult.scores (see sekv_core.methods.scores)."""
-    device = next(model.parameters()).device
+    """capture: prefill statistics to record into PrefillResult.scores (see sekv_core.methods.scores).  offload_kv:
+    keep the KV in host memory, chunk by chunk (sekv_core/kv_offload.py); None: when it would not fit the GPU."""
+    from . import kv_offload, placement
+
+    device = placement.input_device(model)
+    devices = placement.layer_devices(model)  # each layer's KV where the layer computes
     ids = token_ids.to(device).view(1, -1)
     n = ids.shape[1]
     shape = ModelShape.of(model.config, next(model.parameters()).dtype)
+    if offload_kv is None:
+        offload_kv = not kv_offload.kv_fits(shape, n, devices)
+    if offload_kv:
+        kv = kv_offload.HostKV(shape.n_layers, shape.n_kv_heads, shape.head_dim, shape.dtype, devices, max(n, 1))
+        if device.type != "cpu":
+            chunk = max(chunk, kv_offload.OFFLOAD_CHUNK)
+    else:
+        kv = GrowingKV(shape.n_layers, shape.n_kv_heads, shape.head_dim, shape.dtype, devices, max(n, 1))
     if capture:
         from .methods.scores import ScoreMemory
 
-        memory = ScoreMemory.for_prefill(shape, device, n, capture, obs_window)
+        memory = ScoreMemory(kv, shape, n, capture, obs_window)
     else:
-        memory = FullMemory.empty(shape, device, capacity=n)
+        memory = FullMemory(kv, shape)
+    memory.layer_devices = devices
     head = model.get_output_embeddings()
     surprisal = torch.zeros(n, dtype=torch.float32, device=device)  # to the host once, at the end: no sync per block
     block = _HEAD_BLOCK_CUDA if device.type == "cuda" else _HEAD_BLOCK
@@ -60,8 +74,13 @@ def prefill(
         if progress:
             progress(min(start + chunk, n), n)
     surprisal = surprisal.cpu()
-    keys = [memory.kv.k[i][0, :, :n] for i in range(shape.n_layers)]
-    values = [memory.kv.v[i][0, :, :n] for i in range(shape.n_layers)]
+    if offload_kv:  # host buffers, read by compress() a layer at a time on the input device
+        keys, values = kv.layers(n, device)
+    else:
+        keys = [memory.kv.k[i][0, :, :n] for i in range(shape.n_layers)]
+        values = [memory.kv.v[i][0, :, :n] for i in range(shape.n_layers)]
+        if any(d != device for d in devices):  # a model across devices: compress() reads each layer on the input device
+            keys, values = kv_offload.LayersOn(keys, [device] * len(keys)), kv_offload.LayersOn(values, [device] * len(values))
     scores = memory.export() if capture else {}
     return PrefillResult(ids[0].cpu(), keys, values, surprisal if with_surprisal else None, shape, scores=scores,
                          model_fingerprint=str(getattr(model, "sekv_fingerprint", "")), model_id=str(getattr(model, "sekv_model_id", "")), model=model)
@@ -78,10 +97,12 @@ def prefill_window(
     progress: Callable[[int, int], None] | None = None,
     capture: Sequence[str] = (),
     obs_window: int = 64,
+    offload_kv: bool | None = None,
 ) -> PrefillResult:
     """One window of a windowed ingest (sekv_core/windows.py): its header, carried context and own part prefilled at
     native positions; returned is its own part only, at global positions (keys and recorded queries re-rotated by
     the window's offset; PrefillResult.start, .doc_tokens set).  progress(done, total) counts its own part's tokens."""
+    from .kv_offload import LayersOn
     from .windows import shift
 
     local = window.local_ids(ids, header_len)
@@ -91,7 +112,7 @@ def prefill_window(
         progress(max(0, done - drop), window.n)
 
     r = prefill(model, torch.tensor(local), with_surprisal=with_surprisal, chunk=chunk, progress=own if progress else None,
-                capture=capture, obs_window=min(obs_window, window.n))
+                capture=capture, obs_window=min(obs_window, window.n), offload_kv=offload_kv)
     delta = window.offset
     inv = None
     if delta:
@@ -100,8 +121,12 @@ def prefill_window(
         inv = rope.inv_freq_of(r.shape)
         if inv is None:
             raise ValueError("the model's rotary embedding is not static (dynamic / partial RoPE): its windows cannot be re-positioned")
-    keys = [shift(k[:, drop:], delta, inv) for k in r.keys] if delta else [k[:, drop:] for k in r.keys]
-    values = [v[:, drop:] for v in r.values]
+    if isinstance(r.keys, LayersOn):  # offloaded: stays on the host, each layer re-positioned when it is read
+        keys = r.keys.map(lambda k: shift(k[:, drop:], delta, inv) if delta else k[:, drop:])
+        values = r.values.map(lambda v: v[:, drop:])
+    else:
+        keys = [shift(k[:, drop:], delta, inv) for k in r.keys] if delta else [k[:, drop:] for k in r.keys]
+        values = [v[:, drop:] for v in r.values]
     scores = dict(r.scores)
     if delta and scores.get("obs_queries") is not None:  # the queries meet the keys in the same frame
         scores["obs_queries"] = [shift(q, delta, inv) for q in scores["obs_queries"]]

@@ -43,7 +43,12 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         raise RuntimeError("sekv attention called outside sekv_core.runtime.using(memory)")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    out = memory.attend(module.layer_idx, query, key, value, scaling)
+    devices = getattr(memory, "layer_devices", None)
+    home = devices[module.layer_idx] if devices else query.device
+    if home != query.device:  # a memory kept on another device than this layer's (sekv_core/placement.py)
+        out = memory.attend(module.layer_idx, query.to(home), key.to(home), value.to(home), scaling).to(query.device)
+    else:
+        out = memory.attend(module.layer_idx, query, key, value, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -89,7 +94,13 @@ def using(memory: Memory):
 
 
 def forward_hidden(model, input_ids: torch.Tensor, start: int, memory: Memory) -> torch.Tensor:
-    """Run the decoder body on new tokens at absolute positions start.. ; return last hidden states."""
+    """Run the decoder body on new tokens at absolute positions start.. ; return last hidden states.  On a model placed
+    across devices (sekv_core/placement.py), a memory that does not say where its layers are (``layer_devices``) is
+    on the model's input device, where its layers' new tokens are handed (_attention)."""
+    from . import placement
+
+    if getattr(memory, "layer_devices", None) is None and placement.is_mapped(model):
+        memory.layer_devices = [placement.input_device(model)] * len(placement.decoder_layers(model))
     pos = torch.arange(start, start + input_ids.shape[-1], device=input_ids.device).unsqueeze(0)
     with using(memory), torch.inference_mode():
         out = model.get_decoder()(input_ids=input_ids, position_ids=pos, use_cache=False)

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import contextlib
 
-from . import methods, models, prompt, reach, rope_scaling
+from . import methods, models, placement, prompt, reach, rope_scaling
 from .errors import PackError, SekvError
 from .generate import DecodeStats, TextStream, generate
 from .methods.base import KVMemory, ModelShape
@@ -49,13 +49,16 @@ class Session:
         params: dict[str, Any] | None = None,
         device: str | None = None,
         progress: models.Progress | None = None,
+        device_map=None,
+        max_memory=None,
     ) -> "Session":
         t0 = time.perf_counter()
         pack = read_pack(Path(pack_path))
         check_manifest(pack)
         if lm is None:
             # the pack only names the model: an installed embedded one or an existing local directory, never an install
-            lm = models.load(model, device=device, progress=progress) if model else models.load_named_by_pack(pack.manifest["model"]["id"], device=device)
+            place = dict(device=device, device_map=device_map, max_memory=max_memory)
+            lm = models.load(model, progress=progress, **place) if model else models.load_named_by_pack(pack.manifest["model"]["id"], **place)
         rope_scaling.apply(lm, pack.manifest, str(pack.path))  # the positions the pack was made with, before anything reads them
         shape = ModelShape.of(lm.config, next(lm.model.parameters()).dtype)
         check_model(pack, lm.model_id, lm.fingerprint, lm.tokenizer_fingerprint, shape)
@@ -66,7 +69,7 @@ class Session:
         reach.check(method, pack.n_tokens(), reach.effective_window(pack.manifest.get("model"), models.context_window(lm.config)), lm.model_id)
         check_pack_tensors(pack, shape)
         with loading(pack, "open"):
-            memory = methods.get(method).open(pack, params, shape, next(lm.model.parameters()).device)
+            memory = open_memory(method, pack, params, shape, lm.model)
         return cls(pack, lm, method, params, memory, time.perf_counter() - t0)
 
     def ask(
@@ -97,7 +100,7 @@ class Session:
         try:
             ids, stats = generate(
                 self.lm.model, self.memory, q_ids, max_new_tokens=max_new_tokens, stop_ids=self.stop_ids, on_token=stream, on_step=on_step,
-                compile_layers=self.compile_layers and next(self.lm.model.parameters()).device.type == "cuda", question=question,
+                compile_layers=self.compile_layers and placement.input_device(self.lm.model).type == "cuda", question=question,
                 sampler=Sampler(sampling) if sampling is not None and not sampling.greedy else None,
             )
         finally:
@@ -105,6 +108,20 @@ class Session:
         stats.extra = self.memory.step_stats().extra
         text = self.lm.tokenizer.decode(ids, skip_special_tokens=True).strip()
         return Answer(text, ids, stats)
+
+
+def open_memory(method, store, params: Params, shape: ModelShape, model) -> KVMemory:
+    """A method's runtime memory for a loaded model: on its device, or, for a model placed across devices
+    (sekv_core/placement.py), each layer's KV on its layer's device where the method can (``per_layer_devices``),
+    else on the model's input device with the other layers' tokens handed there by the attention hook."""
+    cache_method = methods.get(method) if isinstance(method, str) else method  # a name, or a CacheMethod
+    home = placement.input_device(model)
+    if not placement.is_mapped(model):
+        return cache_method.open(store, params, shape, home)
+    devices = placement.layer_devices(model)
+    memory = cache_method.open(store, params, shape, devices if cache_method.per_layer_devices else home)
+    memory.layer_devices = devices if cache_method.per_layer_devices else [home] * len(devices)
+    return memory
 
 
 def start_ask(memory: KVMemory, start: int, window: int, reserve: int) -> int:
@@ -203,12 +220,15 @@ def check_pack_tensors(pack: Pack, shape: ModelShape) -> None:
 @contextlib.contextmanager
 def loading(pack: Pack, stage: str):
     """Anything but a SekvError while a pack is checked or opened is a pack the checks did not anticipate: one
-    PackError (the traceback stays with it for -v / SEKV_DEBUG)."""
+    PackError (the traceback stays with it for -v / SEKV_DEBUG).  Running out of memory is not the pack's fault
+    (a KV cache bigger than the GPU holds): it goes on as it is."""
     try:
         yield
-    except SekvError:
+    except (SekvError, MemoryError):
         raise
     except Exception as e:
+        if type(e).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
+            raise
         raise PackError(f"{pack.path}: the pack's contents are inconsistent ({stage}: {type(e).__name__}); re-ingest the document") from e
 
 

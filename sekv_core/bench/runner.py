@@ -241,8 +241,10 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
             reference[_probe_key(r["task"], r["item"], r["length"], r["depth"], r["seed"], r["model"])] = r["answer_ids"]
 
     model, tok = lm.model, lm.tokenizer
-    param = next(model.parameters())
-    device, dtype = param.device, param.dtype
+    from ..placement import input_device
+    from ..session import open_memory
+
+    device, dtype = input_device(model), next(model.parameters()).dtype
     shape = ModelShape.of(lm.config, dtype)
     stop_ids = prompt.stop_token_ids(tok, getattr(model, "generation_config", None))
     grid = method_grid(cfg.methods, cfg.budgets)
@@ -351,7 +353,7 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
                             raise SharedPrefillModified(f"method '{m}' changed the prefill's K/V in place in compress(); the benchmark shares one "
                                             "prefill between methods, so its results would be wrong: make compress() copy before writing")
                         t2 = time.perf_counter()
-                        memory = method.open(DictStore(tensors), params, shape, device)
+                        memory = open_memory(method, DictStore(tensors), params, shape, model)
                         open_s = time.perf_counter() - t2
                         start = memory.n_tokens()
                     except SharedPrefillModified:

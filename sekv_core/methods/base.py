@@ -143,6 +143,11 @@ class KVMemory(ABC):
     def resident_bytes(self) -> int:
         """KV bytes held on the compute device right now."""
 
+    #: the device of each layer's KV, when the memory was opened for a model placed across devices (Session.open):
+    #: the attention hook (sekv_core/runtime.py) hands a layer's new tokens to its device and the output back;
+    #: None: every layer's tensors are where its queries are
+    layer_devices: list | None = None
+
     def window_tokens(self) -> int:
         """Positions the memory occupies before the question, which the model's window must hold with the question
         and the answer: n_tokens(); a memory that lays out less than its document (rag) says how many at most."""
@@ -225,7 +230,11 @@ class GrowingKV:
         self.annex = 0
         self.generation = 0
         self.truncations = 0  # a method's cached view of the tail (sekv's fixed sets) must hide dropped tokens again
-        self.jk = [torch.zeros(1, n_kv_heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(n_layers)]
+        #: each layer's device: ``device`` is one device, or one per layer (a model placed across devices,
+        #: sekv_core/placement.py layer_devices); static mode needs them all on one
+        self.devices = per_layer(device, n_layers)
+        device = self.devices[0] if self.devices else torch.device("cpu")
+        self.jk = [torch.zeros(1, n_kv_heads, capacity, head_dim, dtype=dtype, device=dev) for dev in self.devices]
         self.jv = [torch.zeros_like(t) for t in self.jk]
         self.k = list(self.jk)
         self.v = list(self.jv)
@@ -248,7 +257,7 @@ class GrowingKV:
     def load_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, extra: int) -> None:
         """Replace a layer's contents by k / v [Hkv, n, d] (layers may differ in length), with `extra` capacity."""
         n = k.shape[1]
-        self.jk[layer] = self.k[layer] = k.new_zeros(1, k.shape[0], n + extra, k.shape[2], device=self.pos.device)
+        self.jk[layer] = self.k[layer] = k.new_zeros(1, k.shape[0], n + extra, k.shape[2], device=self.devices[layer])
         self.jv[layer] = self.v[layer] = torch.zeros_like(self.k[layer])
         self.k[layer][0, :, :n].copy_(k)
         self.v[layer][0, :, :n].copy_(v)
@@ -336,6 +345,15 @@ class GrowingKV:
         return sum(self.len) * per
 
 
+def per_layer(device, n_layers: int) -> list[torch.device]:
+    """One device for each of n_layers: ``device`` is one device (all layers) or a sequence of one per layer."""
+    if isinstance(device, (list, tuple)):
+        if len(device) != n_layers:
+            raise ValueError(f"{len(device)} devices for {n_layers} layers")
+        return [torch.device(d) for d in device]
+    return [torch.device(device)] * n_layers
+
+
 def causal_attention(query, keys, values, scaling: float, n_new: int) -> torch.Tensor:
     """Attention of n_new queries over keys whose last n_new entries are the queries' own tokens.
 
@@ -347,6 +365,10 @@ def causal_attention(query, keys, values, scaling: float, n_new: int) -> torch.T
     gqa = keys.shape[1] != query.shape[1]
     if q > 1 and q == t:  # a whole sequence at once: the fused causal kernels (flash), no mask tensor
         return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scaling, enable_gqa=gqa)
+    if q > 1 and query.is_cuda:  # a chunk after earlier tokens: the fused kernels' bottom-right causal mask, none materialised
+        from torch.nn.attention.bias import causal_lower_right
+
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=causal_lower_right(q, t), scale=scaling, enable_gqa=gqa)
     if q > 1:
         mask = torch.ones(q, t, dtype=torch.bool, device=query.device).tril(diagonal=t - q)
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
@@ -371,6 +393,9 @@ class CacheMethod(ABC):
     #: document must fit one prefill); "windowed" = prefilled in windows (sekv_core/windows.py), given to
     #: compress_windows(); "any" = the method needs no prefill of the whole document
     length_policy: str = "window"
+    #: whether open() takes one device per layer (a list) and keeps each layer's KV on its layer's device; otherwise
+    #: it gets the model's input device and the hook moves the other layers' tokens there (Session.open)
+    per_layer_devices: bool = False
 
     @property
     def default_params(self) -> dict[str, Any]:

@@ -56,10 +56,14 @@ class FullMemory(KVMemory):
 class FullMethod(CacheMethod):
     name = "full"
     summary = "the complete KV cache; exact, largest"
+    per_layer_devices = True
 
     def compress(self, prefill: PrefillResult, params):
         out = {}
-        for i, (k, v) in enumerate(zip(prefill.keys, prefill.values)):
+        keys, values = prefill.keys, prefill.values
+        if hasattr(keys, "host_items"):  # a prefill offloaded to the host (sekv_core/kv_offload.py): stored from there
+            keys, values = keys.host_items(), values.host_items()
+        for i, (k, v) in enumerate(zip(keys, values)):
             out[f"full.k.{i}"] = k.contiguous()
             out[f"full.v.{i}"] = v.contiguous()
         return out

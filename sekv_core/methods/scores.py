@@ -237,8 +237,8 @@ class EvictedMemory(KVMemory):
     @classmethod
     def from_kept(cls, keys: list[torch.Tensor], values: list[torch.Tensor], n_doc: int, shape: ModelShape, device, extra: int = 256):
         kv = GrowingKV(shape.n_layers, shape.n_kv_heads, shape.head_dim, shape.dtype, device, capacity=1)
-        for i, (k, v) in enumerate(zip(keys, values)):
-            kv.load_layer(i, k.to(device, shape.dtype), v.to(device, shape.dtype), extra)
+        for i, (k, v) in enumerate(zip(keys, values)):  # device: one, or one per layer (GrowingKV.devices)
+            kv.load_layer(i, k.to(kv.devices[i], shape.dtype), v.to(kv.devices[i], shape.dtype), extra)
         return cls(kv, [k.shape[1] for k in keys], n_doc, shape)
 
     def attend(self, layer, query, key, value, scaling):
@@ -272,6 +272,7 @@ class EvictionMethod(CacheMethod):
     """
 
     params_type = BudgetParams
+    per_layer_devices = True
 
     def select(self, prefill: PrefillResult, params: BudgetParams) -> list[torch.Tensor]:
         """Per layer the kept document positions [Hkv, k_l], int64, increasing along each row."""
