@@ -89,7 +89,7 @@ def add(
         m = pack.manifest
         before = old_parts(m)
         for q in doc.parts:
-            if any(p["name"] == q.name and p["sha256"] == q.sha256 for p in before):
+            if any(p["sha256"] == q.sha256 and Path(p["name"]).name == Path(q.name).name for p in before):
                 raise SekvError(f"{q.name}: already in {path} (the same file); nothing was added")
         with stage("tokenize"):
             new_ids, runs, _, parts = _encode(lm, doc, appended=True)
