@@ -146,8 +146,8 @@ def test_sekv_add_twice_in_windows(docs, lm, monkeypatch):
     makes a third segment; the pack's documents, inspect and the evidence name them."""
     pack = docs / "p.sekv"
     ingest(docs / "a.txt", pack, lm=lm, method="sekv")
-    monkeypatch.setenv(WINDOW_ENV, "512")
-    (docs / "long.txt").write_text(" ".join(f"Line {i}: the harbour master logged ship {i * 7} at dawn." for i in range(60)))
+    monkeypatch.setenv(WINDOW_ENV, "384")
+    (docs / "long.txt").write_text(" ".join(f"Line {i}: the harbour master logged ship {i * 7} at dawn." for i in range(24)))
     r = add(pack, load_corpus([docs / "long.txt"], headings=True), lm=lm)
     assert r.windows > 1
     r2 = add(pack, load_corpus([docs / "b.md"], headings=True), lm=lm)
@@ -210,11 +210,11 @@ def test_rag_add_appends_chunks_and_retrieves_from_them(docs, lm):
 
 def test_eviction_add_reads_the_whole_text_again_and_kvzip_is_refused(docs, lm):
     pack = docs / "p.sekv"
-    ingest(docs / "a.txt", pack, lm=lm, method="snapkv")
+    ingest(docs / "c.txt", pack, lm=lm, method="snapkv")
     r = add(pack, load_corpus([docs / "b.md"], headings=True), lm=lm)
     assert "read again" in r.note and read_pack(pack).manifest["n_tokens"] == r.n_tokens
     Session.open(pack, lm=lm)
-    ingest(docs / "a.txt", pack, lm=lm, method="kvzip")
+    ingest(docs / "c.txt", pack, lm=lm, method="kvzip")
     raw = pack.read_bytes()
     with pytest.raises(SekvError, match="cannot be extended"):
         add(pack, load_corpus([docs / "b.md"], headings=True), lm=lm)
