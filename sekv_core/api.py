@@ -182,7 +182,7 @@ def add(pack: str | Path, paths: str | Path | list[str | Path], *, model: str | 
     `sekv add`); -> sekv_core.add.AddResult.  ``model``: default the one the pack names."""
     from .add import add as run_add
     from .documents import DEFAULT_GLOB, load_corpus
-    from .pack import read_pack
+    from .pack import check_manifest, read_pack
 
     doc = load_corpus(list(paths) if isinstance(paths, (list, tuple)) else [paths], glob or DEFAULT_GLOB, headings=True)
     if isinstance(model, models.LoadedModel):
@@ -192,6 +192,7 @@ def add(pack: str | Path, paths: str | Path | list[str | Path], *, model: str | 
     else:
         p = read_pack(Path(pack))
         try:
+            check_manifest(p)
             lm = models.load_named_by_pack(p.manifest["model"]["id"], device=device)
         finally:
             p.close()
