@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,7 @@ def add(
     if not doc.parts:
         raise SekvError("sekv add takes documents as a corpus (documents.load_corpus(..., headings=True))")
     pack = read_pack(path)
+    seen = os.fstat(pack._file.fileno())  # the file read: it must still be the one at `path` when the new one replaces it
     try:
         check_manifest(pack)
         rope_scale.apply(lm, pack.manifest, str(path))
@@ -102,12 +104,16 @@ def add(
         inputs = [q.path for q in doc.parts if q.path]
         slot = prepare_output(path, inputs=inputs, needed_bytes=pack.file_bytes + 2 * len(ids) * shape.kv_bytes_per_token(itemsize=2) + (1 << 20))
         try:
+            os.chmod(slot.tmp, stat.S_IMODE(seen.st_mode))  # the pack keeps its permissions
             text = prompt.document_continuation(doc.text)
             run = {"sekv": _sekv, "full": _full, "rag": _rag}.get(method, _whole)
             tensors, wins, spent, note = run(pack, lm, cache_method, params, ids, n_old, header_len, text, parts, doc, chunk, report)
             tensors = {k: v.cpu() for k, v in tensors.items()}
             manifest = _manifest(m, doc, new_ids, runs, parts, before, wins, tensors, shape, lm)
             report("write", len(new_ids), 0)
+            now = os.stat(path)
+            if (now.st_ino, now.st_mtime_ns, now.st_size) != (seen.st_ino, seen.st_mtime_ns, seen.st_size):
+                raise SekvError(f"{path}: the pack changed while documents were added to it (another sekv add?); nothing was added, run it again")
             with stage("write"):
                 size = write_pack(path, manifest, tensors, slot=slot)
         except BaseException:

@@ -260,3 +260,26 @@ def test_add_errors_are_one_line_and_change_nothing(docs, tiny_qwen, case):
     code, out, err = run("add", *args, "--model", tiny_qwen, "-q")
     assert_one_line_error(code, err, needle)
     assert pack.read_bytes() == raw and not list(docs.glob(".*tmp"))
+
+
+def test_add_keeps_the_permissions_and_refuses_a_pack_changed_meanwhile(docs, lm, monkeypatch):
+    import os
+
+    from sekv_core.sekv import append as append_mod
+
+    pack = docs / "p.sekv"
+    ingest(docs / "c.txt", pack, lm=lm, method="sekv")
+    os.chmod(pack, 0o640)
+    add(pack, load_corpus([docs / "b.md"], headings=True), lm=lm)
+    assert pack.stat().st_mode & 0o777 == 0o640
+    real = append_mod.append
+
+    def meanwhile(*a, **k):  # another writer replaces the pack while this add compresses
+        out = real(*a, **k)
+        ingest(docs / "c.txt", pack, lm=lm, method="sekv")
+        return out
+
+    monkeypatch.setattr(append_mod, "append", meanwhile)
+    with pytest.raises(SekvError, match="changed while"):
+        add(pack, load_corpus([docs / "a.txt"], headings=True), lm=lm)
+    assert read_pack(pack).manifest["document"]["name"] == "c.txt"  # the other writer's pack stays
