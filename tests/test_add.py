@@ -283,3 +283,21 @@ def test_add_keeps_the_permissions_and_refuses_a_pack_changed_meanwhile(docs, lm
     with pytest.raises(SekvError, match="changed while"):
         add(pack, load_corpus([docs / "a.txt"], headings=True), lm=lm)
     assert read_pack(pack).manifest["document"]["name"] == "c.txt"  # the other writer's pack stays
+
+
+def test_the_python_api_adds_and_limits_documents(docs, lm):
+    import sekv
+
+    pack = docs / "p.sekv"
+    ingest(docs / "a.txt", pack, lm=lm, method="sekv")
+    p = sekv.open(pack, model=lm)
+    p2 = p.add(docs / "b.md", docs / "c.txt")
+    assert p2.documents == ["a.txt", str(docs / "b.md"), str(docs / "c.txt")] and p2.n_tokens > p.n_tokens
+    only = p2.with_docs(["b.md"])
+    r = only.ask("What is the gate code?", max_new_tokens=2)
+    assert r.evidence and {e.file for e in r.evidence} == {str(docs / "b.md")}
+    with pytest.raises(SekvError, match="no such document"):
+        p2.with_docs(["d.md"])
+    (docs / "d.md").write_text("The ferry leaves at noon.")
+    r = sekv.add(pack, docs / "d.md", model=lm)
+    assert r.documents == 1 and sekv.open(pack, model=lm, docs=["d.md"]).documents[-1] == str(docs / "d.md")
