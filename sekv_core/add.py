@@ -155,7 +155,7 @@ def _capacity(lm) -> int:
 
 def _sekv(pack: Pack, lm, cache_method, params, ids, n_old, header_len, text, parts, doc, chunk, report):
     """The added tokens in windows of their own, compressed and joined to the pack's tensors (sekv/append.py)."""
-    from .sekv import append, compress, router_file
+    from .sekv import append, compress, layout, router_file
     from .sekv import factorize as fz
 
     old_windows = pack.manifest.get("windows") or [[0, n_old]]
@@ -163,18 +163,20 @@ def _sekv(pack: Pack, lm, cache_method, params, ids, n_old, header_len, text, pa
         plan = windows.plan_append(n_old, len(ids), header_len, _capacity(lm), len(old_windows))
     except ValueError as e:
         raise DocumentError(f"cannot read the added documents in windows of {lm.model_id}'s context: {e}") from None
+    report.n_windows = len(plan)
     if any(w.offset for w in plan) and model_shape(lm).rope_inv_freq is None:
         raise DocumentError(f"{lm.model_id}'s rotary embedding (dynamic or partial) cannot be re-positioned for the added documents' windows")
     p = dataclasses.replace(params, **append.pack_lengths(pack))  # the pack's span lengths and window, not the new length's
     kw = dict(with_surprisal=True, chunk=chunk, capture=scores.capture_kinds(cache_method.needs_scores), obs_window=cache_method.obs_window(params))
     pieces, trained, spent = [], None, 0.0
+    pack_router = layout.router_sha256(pack, set(pack.keys()))  # a pack made untrained stays so, whatever ships now
     for i, w in enumerate(plan):
         ta = time.perf_counter()
         with stage("prefill"):
             r = prefill_window(lm.model, ids, header_len, w, progress=lambda dn, _n, w=w: report("prefill", w.start - n_old + dn, i), **kw)
         spent += time.perf_counter() - ta
         report("compress", w.end - n_old, i)
-        if i == 0:
+        if i == 0 and pack_router:
             trained = compress.trained_router(r, p, r.shape)
         with stage("compress"), fz.single_thread():
             pieces.append(compress.compress_window(r, p, trained))
