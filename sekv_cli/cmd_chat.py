@@ -24,6 +24,7 @@ HELP = """commands:
   /stats           statistics of the last answer
   /sources         the passages the last answer zoomed into (sekv), with their pages
   /budget F        resident KV budget from now on (0.2 or 20%; methods whose budget is set at ask time)
+  /doc NAME|all    questions about these documents only (names comma-separated, as `sekv inspect` lists them), or all
   /save FILE       the conversation so far as Markdown
   /history on|off  include earlier turns in the prompt (default off: each question is answered from the pack alone)
   /clear           forget earlier turns
@@ -156,6 +157,12 @@ def chat(
                         overrides = overrides | {"budget": parse_budget(arg)}
                         session = retune(session, overrides)
                         say(f"budget {session.params.budget:.0%} from the next question on")
+                elif cmd == "/doc":
+                    if arg:
+                        new = retune(session, overrides)
+                        new.restrict(None if arg == "all" else [arg])
+                        session = new
+                    say(f"questions about {safe_line(', '.join(session.documents))} only" if session.documents else "questions about every document")
                 elif cmd == "/save":
                     save(reader, session, exchanges, arg)
                 elif cmd == "/history" and arg in ("on", "off"):

@@ -4,6 +4,7 @@ line, and the manifest records where each one's tokens lie (document.parts)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -254,3 +255,18 @@ def test_doc_limits_rag_retrieval(three_docs, tiny_qwen, lm):
     chunks = s.memory.spans()
     assert s.memory.order and all(chunks[c][0] < part["token_end"] and part["token_start"] < chunks[c][1] for c in s.memory.order)
     s.pack.close()
+
+
+def test_chat_takes_doc_and_the_doc_command(three_docs):
+    from test_chat import chat
+
+    d, pack = three_docs
+    one, two = str(d / "one.md"), str(d / "two.md")
+    script = "/doc\n/doc one.md\nWhen was the lamp lit?\n/doc all\n/doc nope.md\n/quit\n"
+    out, err = chat(pack, script, "--doc", "two.md", "--show-evidence")
+    said = [ln for ln in err.splitlines() if ln.startswith("questions about")]
+    assert said == [f"questions about {two} only (--doc)", f"questions about {two} only", f"questions about {one} only",
+                    "questions about every document"], err
+    cited = re.findall(r"#\d+ (\S+) page", out + err)
+    assert cited and set(cited) == {one}
+    assert "--doc nope.md: no such document" in err
