@@ -301,3 +301,22 @@ def test_the_python_api_adds_and_limits_documents(docs, lm):
     (docs / "d.md").write_text("The ferry leaves at noon.")
     r = sekv.add(pack, docs / "d.md", model=lm)
     assert r.documents == 1 and sekv.open(pack, model=lm, docs=["d.md"]).documents[-1] == str(docs / "d.md")
+
+
+def test_add_takes_folders_with_glob_and_stdin(docs, tiny_qwen):
+    from typer.testing import CliRunner
+
+    from sekv_cli.app import app
+
+    pack = docs / "p.sekv"
+    code, _, err = run("ingest", docs / "c.txt", "-o", pack, "--model", tiny_qwen, "--method", "full", "-q")
+    assert code == 0, err
+    (docs / "notes").mkdir()
+    (docs / "notes" / "x.txt").write_text("The boathouse is red.")
+    (docs / "notes" / "y.md").write_text("The jetty is grey.")
+    code, out, err = run("add", pack, docs / "notes", "--glob", "*.txt", "--model", tiny_qwen, "-q")
+    assert code == 0, err
+    r = CliRunner().invoke(app, ["add", str(pack), "-", "--model", str(tiny_qwen), "-q"], input="Read from standard input: the bell rings at six.")
+    assert r.exit_code == 0, r.stderr
+    parts = read_pack(pack).manifest["document"]["parts"]
+    assert [q["name"] for q in parts] == ["c.txt", str(docs / "notes" / "x.txt"), "stdin"]
