@@ -48,7 +48,8 @@ def evidence_rows(session, span_zoom_counts: dict, limit: int = 10, span_order: 
     pages = session.pack.manifest["document"].get("token_pages") or []
     parts = session.pack.manifest["document"].get("parts") or []
     lo, hi = document_tokens(pages, len(ids))
-    allowed = getattr(session, "doc_ranges", None) or [(lo, hi)]  # --doc: only the chosen documents' tokens
+    # --doc: only the chosen documents' tokens; a corpus: its documents' (not the tags between those `sekv add` appended)
+    allowed = getattr(session, "doc_ranges", None) or [(q["token_start"], q["token_end"]) for q in parts] or [(lo, hi)]
     clipped = {}
     for sid, count in span_zoom_counts.items():
         start, end = spans[int(sid)]
