@@ -91,7 +91,7 @@ def plan_append(n_old: int, n_tokens: int, header_len: int, capacity: int, after
     when the header leaves too little room."""
     if n_tokens <= n_old:
         return []
-    carry = max(0, min(carry, capacity // 4 if capacity else carry, n_old - header_len))
+    carry = max(0, min(carry, capacity // 4 if capacity else carry))
     room = capacity - header_len - carry if capacity else n_tokens - n_old
     if room < max(1, int(MIN_NEW_SHARE * capacity)):
         raise ValueError(f"a window of {capacity} tokens leaves {room} for the document after its {header_len}-token header "

@@ -320,3 +320,17 @@ def test_add_takes_folders_with_glob_and_stdin(docs, tiny_qwen):
     assert r.exit_code == 0, r.stderr
     parts = read_pack(pack).manifest["document"]["parts"]
     assert [q["name"] for q in parts] == ["c.txt", str(docs / "notes" / "x.txt"), "stdin"]
+
+
+@pytest.mark.parametrize("n_old,n,header,cap", [(500, 501, 100, 384), (500, 2000, 100, 384), (130, 900, 120, 512), (500, 900, 100, 0)])
+def test_plan_append_windows_continue_the_pack(n_old, n, header, cap):
+    plan = windows.plan_append(n_old, n, header, cap, after=3)
+    assert plan[0].start == n_old and plan[-1].end == n and all(a.end == b.start for a, b in zip(plan, plan[1:]))
+    ids = list(range(n))
+    for i, w in enumerate(plan):
+        assert w.index == 3 + i and w.count == 3 + len(plan) and w.header == header
+        local = w.local_ids(ids, header)
+        assert local[:header] == ids[:header] and local[header : header + w.carry] == ids[w.start - w.carry : w.start]
+        assert local[-w.n :] == ids[w.start : w.end] and (not cap or len(local) <= cap)
+        assert w.carry == min(windows.CARRY_TOKENS, cap // 4 if cap else windows.CARRY_TOKENS, w.start - header)
+    assert windows.plan_append(n, n, header, cap, after=1) == []
