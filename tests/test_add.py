@@ -286,13 +286,31 @@ def test_add_keeps_the_permissions_and_refuses_a_pack_changed_meanwhile(docs, lm
 
 
 def test_the_python_api_adds_and_limits_documents(docs, lm):
+    """pack.add / sekv.add / with_docs as a user calls them; the evidence of an added PDF names it and the page its
+    text is on, found by searching the PDF's own pages (load_document), not the manifest."""
+    import shutil
+
     import sekv
+    from conftest import SAMPLE_PDF
+    from sekv_core.documents import load_document
+    from sekv_core.evidence import evidence_rows
 
     pack = docs / "p.sekv"
-    ingest(docs / "a.txt", pack, lm=lm, method="sekv")
+    shutil.copy(SAMPLE_PDF, docs / "m.pdf")
+    ingest(docs / "c.txt", pack, lm=lm, method="sekv")
     p = sekv.open(pack, model=lm)
-    p2 = p.add(docs / "b.md", docs / "c.txt")
-    assert p2.documents == ["a.txt", str(docs / "b.md"), str(docs / "c.txt")] and p2.n_tokens > p.n_tokens
+    p2 = p.add(docs / "b.md", docs / "m.pdf")
+    assert p2.documents == ["c.txt", str(docs / "b.md"), str(docs / "m.pdf")] and p2.n_tokens > p.n_tokens
+    pages = ["".join(t.split()) for t in (lambda d: [d.text[x.start:x.end] for x in d.pages])(load_document(docs / "m.pdf"))]
+    rows = evidence_rows(p2.session, {i: 1 for i in range(len(p2.session.memory.spans()))}, limit=10**6)
+    checked = 0
+    for r in rows:
+        t = "".join(r["text"].split())
+        on = [i for i, text in enumerate(pages, 1) if t in text]
+        if len(on) == 1 and len(t) > 12:
+            assert r["file"] == str(docs / "m.pdf") and r["page"] == on[0], r
+            checked += 1
+    assert checked >= 10 and {r["page"] for r in rows if r.get("file") == str(docs / "m.pdf")} == {1, 2, 3, 4, 5}
     only = p2.with_docs(["b.md"])
     r = only.ask("What is the gate code?", max_new_tokens=2)
     assert r.evidence and {e.file for e in r.evidence} == {str(docs / "b.md")}
