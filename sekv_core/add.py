@@ -142,7 +142,7 @@ def _manifest(m, doc, new_ids, runs, parts, before, wins, tensors, shape, lm) ->
     )
     out["n_tokens"], out["token_ids"] = n, list(m["token_ids"]) + new_ids
     out["windows"] = wins
-    out["model"] = dict(m["model"], rope_scaling=rope_scale.manifest_entry(lm))
+    out["model"] = dict(m["model"], rope_scaling=rope_scale.manifest_entry(lm), context_window=models.context_window(lm.config))
     out["sizes"] = {"raw_kv_fp16_bytes": n * shape.kv_bytes_per_token(itemsize=2),
                     "tensor_bytes": int(sum(t.numel() * t.element_size() for t in tensors.values()))}
     return out
