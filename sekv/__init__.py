@@ -14,10 +14,11 @@ from sekv_core.api import (  # noqa: F401
     SekvError,
     Timings,
     Tokens,
+    add,
     ingest,
     open,
 )
 
 __all__ = [
-    "__version__", "ingest", "open", "Pack", "Result", "Timings", "Tokens", "MemoryUse", "Evidence", "IngestResult", "Sampling", "SekvError",
+    "__version__", "ingest", "add", "open", "Pack", "Result", "Timings", "Tokens", "MemoryUse", "Evidence", "IngestResult", "Sampling", "SekvError",
 ]

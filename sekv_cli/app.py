@@ -104,9 +104,10 @@ def _quiet_libraries() -> None:
 
 
 def _register() -> None:
-    from . import cmd_ask, cmd_chat, cmd_ingest, cmd_inspect, cmd_models
+    from . import cmd_add, cmd_ask, cmd_chat, cmd_ingest, cmd_inspect, cmd_models
 
     app.command("ingest")(with_verbosity(cmd_ingest.ingest))
+    app.command("add")(with_verbosity(cmd_add.add))
     app.command("ask")(with_verbosity(cmd_ask.ask))
     app.command("chat")(with_verbosity(cmd_chat.chat))
     app.command("inspect")(with_verbosity(cmd_inspect.inspect))

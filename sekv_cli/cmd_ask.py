@@ -22,11 +22,28 @@ from .display import err, human_bytes, kv_table, model_progress, out, safe, safe
 from sekv_core.evidence import evidence_rows, label as evidence_label
 
 
+DocOpt = typer.Option(None, "--doc", help="ask only about this document of the pack (its name or file name as `sekv inspect` lists it); "
+                      "repeat it or separate names with commas", metavar="NAME")
+
+
 def open_session(pack: Path, model, method, budget, device, quiet: bool, router: str | None = None, routing: str | None = None,
-                 device_map: str | None = None, max_memory: str | None = None) -> Session:
+                 docs: list[str] | None = None, device_map: str | None = None, max_memory: str | None = None) -> Session:
+    """The pack's session; ``docs`` (--doc): the documents its questions are limited to, checked before the model loads."""
+    if docs:
+        from sekv_core.pack import check_manifest, read_pack
+        from sekv_core.session import pick_documents
+
+        p = read_pack(pack)
+        try:
+            check_manifest(p)
+            pick_documents(p.manifest, docs)
+        finally:
+            p.close()
     place = placement(device, device_map, max_memory)
     with model_progress(not quiet) as cb:
-        return Session.open(pack, model=model, method=method, params=method_overrides(budget, router, routing), progress=cb, **place)
+        session = Session.open(pack, model=model, method=method, params=method_overrides(budget, router, routing), progress=cb, **place)
+    session.restrict(docs)
+    return session
 
 
 def live_line(memory) -> str:
@@ -143,6 +160,7 @@ def ask(
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", min=1, help="longest answer in tokens"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object per question on stdout (JSON Lines) and nothing else"),
     show_evidence: bool = typer.Option(False, "--show-evidence", help="print the most zoomed passages after the answer"),
+    doc: list[str] = DocOpt,
     temperature: float = TemperatureOpt,
     top_p: float = TopPOpt,
     seed: int = SeedOpt,
@@ -162,7 +180,7 @@ def ask(
     sampling = Sampling(temperature, top_p, seed)
     todo = read_questions(questions, questions_file)
     quiet = quiet or as_json
-    session = open_session(pack, model, method, budget, device, quiet=quiet, router=router, routing=routing, device_map=device_map, max_memory=max_memory)
+    session = open_session(pack, model, method, budget, device, quiet=quiet, router=router, routing=routing, device_map=device_map, max_memory=max_memory, docs=doc)
     session.compile_layers = compile_layers
     if verbose and not quiet:
         err.print(Text(f"{safe_line(session.pack.path)}: {session.base_tokens} tokens, method {session.method}, model {safe_line(session.lm.model_id)}, "

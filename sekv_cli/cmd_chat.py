@@ -14,7 +14,7 @@ from sekv_core.sampling import Sampling
 
 from . import transcript
 from .chat_input import LineReader, history_path
-from .cmd_ask import SeedOpt, TemperatureOpt, TopPOpt, open_session, run_question
+from .cmd_ask import DocOpt, SeedOpt, TemperatureOpt, TopPOpt, open_session, run_question
 from .common import user_errors, BudgetOpt, CompileOpt, DeviceMapOpt, DeviceOpt, MaxMemoryOpt, MethodOpt, ModelOpt, QuietOpt, RouterOpt, RoutingOpt, VerboseOpt, method_overrides
 from .display import err, kv_table, safe, safe_line, stats_rows
 from sekv_core.evidence import evidence_rows, label as evidence_label
@@ -24,6 +24,7 @@ HELP = """commands:
   /stats           statistics of the last answer
   /sources         the passages the last answer zoomed into (sekv), with their pages
   /budget F        resident KV budget from now on (0.2 or 20%; methods whose budget is set at ask time)
+  /doc NAME|all    questions about these documents only (names comma-separated, as `sekv inspect` lists them), or all
   /save FILE       the conversation so far as Markdown
   /history on|off  include earlier turns in the prompt (default off: each question is answered from the pack alone)
   /clear           forget earlier turns
@@ -91,6 +92,7 @@ def chat(
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", min=1),
     history: bool = typer.Option(False, "--history/--no-history", help="start with history on"),
     show_evidence: bool = typer.Option(False, "--show-evidence", help="print zoomed passages after each answer"),
+    doc: list[str] = DocOpt,
     temperature: float = TemperatureOpt,
     top_p: float = TopPOpt,
     seed: int = SeedOpt,
@@ -109,12 +111,14 @@ def chat(
     """Ask questions about PACK's document, one after another (/help lists the commands)."""
     sampling = Sampling(temperature, top_p, seed)
     overrides = method_overrides(budget, router, routing)
-    session = open_session(pack, model, method, budget, device, quiet=quiet, router=router, routing=routing, device_map=device_map, max_memory=max_memory)
+    session = open_session(pack, model, method, budget, device, quiet=quiet, router=router, routing=routing, device_map=device_map, max_memory=max_memory, docs=doc)
     session.compile_layers = compile_layers
     reader = LineReader()
     if not quiet:
-        doc = session.pack.manifest["document"]["name"]
-        say((safe_line(doc), "bold"), f" ({session.base_tokens} tokens, method {session.method}). /help for commands, Ctrl-D to quit.")
+        name = session.pack.manifest["document"]["name"]
+        say((safe_line(name), "bold"), f" ({session.base_tokens} tokens, method {session.method}). /help for commands, Ctrl-D to quit.")
+        if session.documents:
+            say(f"questions about {safe_line(', '.join(session.documents))} only (--doc)")
         if verbose:
             say(f"model {safe_line(session.lm.model_id)}, opened in {session.load_s:.1f} s; history file {history_path() if reader.interactive else '(none: input is not a terminal)'}")
         if reader.note:
@@ -155,6 +159,12 @@ def chat(
                         overrides = overrides | {"budget": parse_budget(arg)}
                         session = retune(session, overrides)
                         say(f"budget {session.params.budget:.0%} from the next question on")
+                elif cmd == "/doc":
+                    if arg:
+                        new = retune(session, overrides)
+                        new.restrict(None if arg == "all" else [arg])
+                        session = new
+                    say(f"questions about {safe_line(', '.join(session.documents))} only" if session.documents else "questions about every document")
                 elif cmd == "/save":
                     save(reader, session, exchanges, arg)
                 elif cmd == "/history" and arg in ("on", "off"):

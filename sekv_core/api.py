@@ -136,6 +136,7 @@ def retune(session: Session, overrides: dict[str, Any]) -> Session:
     memory = open_memory(method, session.pack, params, ModelShape.of(lm.config, next(lm.model.parameters()).dtype), lm.model)
     new = Session(session.pack, lm, method, params, memory, session.load_s)
     new.compile_layers = session.compile_layers
+    new.restrict(session.documents)
     return new
 
 
@@ -182,6 +183,29 @@ def ingest(
     return run_ingest(doc, out, lm=lm, method=method, params=resolved, system=system, rope_scaling=rope_scaling, offload_kv=offload_kv)
 
 
+def add(pack: str | Path, paths: str | Path | list[str | Path], *, model: str | models.LoadedModel | None = None, device: str | None = None,
+        glob: str | None = None):
+    """Add documents (files, folders, "-") to the pack file at ``pack`` without reading its documents again (as
+    `sekv add`); -> sekv_core.add.AddResult.  ``model``: default the one the pack names."""
+    from .add import add as run_add
+    from .documents import DEFAULT_GLOB, load_corpus
+    from .pack import check_manifest, read_pack
+
+    doc = load_corpus(list(paths) if isinstance(paths, (list, tuple)) else [paths], glob or DEFAULT_GLOB, headings=True)
+    if isinstance(model, models.LoadedModel):
+        lm = model
+    elif model:
+        lm = models.load(model, device=device)
+    else:
+        p = read_pack(Path(pack))
+        try:
+            check_manifest(p)
+            lm = models.load_named_by_pack(p.manifest["model"]["id"], device=device)
+        finally:
+            p.close()
+    return run_add(pack, doc, lm=lm)
+
+
 def open(  # noqa: A001 - `sekv.open(path)` reads like the builtin on purpose
     path: str | Path,
     *,
@@ -192,13 +216,16 @@ def open(  # noqa: A001 - `sekv.open(path)` reads like the builtin on purpose
     params: dict[str, Any] | None = None,
     device_map: str | dict | None = None,
     max_memory: str | dict | None = None,
+    docs: Sequence[str] | None = None,
 ) -> "Pack":
     """Open a context pack: its model (the one it was made with unless ``model`` is given) is loaded once.
-    ``method``/``budget``/``params``: ask-time overrides the pack's method allows (as `sekv ask`'s options)."""
+    ``method``/``budget``/``params``: ask-time overrides the pack's method allows (as `sekv ask`'s options);
+    ``docs``: the documents questions are limited to (as `--doc`)."""
     overrides = dict(params or {}) | ({"budget": budget} if budget is not None else {})
     lm = model if isinstance(model, models.LoadedModel) else None
     session = Session.open(path, model=None if lm else model, lm=lm, method=method, params=overrides, device=device,
                            device_map=device_map, max_memory=max_memory)
+    session.restrict(list(docs) if docs else None)
     return Pack(session, overrides)
 
 
@@ -246,6 +273,33 @@ class Pack:
         """The answer's text as it is decoded: ``for piece in pack.stream(q)``; the stream's ``result`` is the
         full Result once the loop has finished.  Leaving the loop early stops decoding."""
         return Stream(self, question, kwargs)
+
+    @property
+    def documents(self) -> list[str]:
+        """The pack's documents' names (as `sekv inspect` lists them)."""
+        from .add import old_parts
+
+        return [q["name"] for q in old_parts(self.session.pack.manifest)]
+
+    def with_docs(self, docs: Sequence[str] | None) -> "Pack":
+        """The same pack and loaded model with questions limited to some documents (as `--doc`; None: all)."""
+        new = Pack(retune(self.session, self._overrides), self._overrides)
+        new.session.restrict(list(docs) if docs else None)
+        return new
+
+    def add(self, *paths: str | Path, glob: str | None = None) -> "Pack":
+        """Add documents (files, folders, "-") to the pack file (as `sekv add`) and return it reopened with them."""
+        from .add import add as run_add
+        from .documents import DEFAULT_GLOB, load_corpus
+
+        if not paths:
+            raise SekvError("add() needs at least one document")
+        doc = load_corpus(list(paths), glob or DEFAULT_GLOB, headings=True)
+        run_add(self.path, doc, lm=self.session.lm)
+        session = Session.open(self.path, lm=self.session.lm, method=self.session.method, params=self._overrides)
+        session.compile_layers = self.session.compile_layers
+        self.session.pack.close()
+        return Pack(session, self._overrides)
 
     def with_budget(self, budget: float) -> "Pack":
         """The same pack and loaded model at another resident-KV budget (methods whose budget is ask-time)."""

@@ -377,12 +377,13 @@ def corpus_files(inputs: list[str | Path], glob: str = DEFAULT_GLOB) -> list[str
     return files
 
 
-def load_corpus(inputs: list[str | Path], glob: str = DEFAULT_GLOB, max_bytes: int = DEFAULT_MAX_BYTES) -> Document:
+def load_corpus(inputs: list[str | Path], glob: str = DEFAULT_GLOB, max_bytes: int = DEFAULT_MAX_BYTES, headings: bool = False) -> Document:
     """Several inputs (files, folders, ``-``) as one document: each file read by :func:`load_document` (its limits
     and refusals), introduced by a line ``## file: NAME``, joined in order; pages numbered on through the corpus
     and each document's place in :attr:`Document.parts`.  One file given alone is :func:`load_document`'s document.
-    At most ``max_bytes`` a file, and of joined text."""
-    if len(inputs) == 1 and (str(inputs[0]) == STDIN or not Path(inputs[0]).expanduser().is_dir()):
+    At most ``max_bytes`` a file, and of joined text.  ``headings``: a corpus even of one file (its heading line
+    and parts; what `sekv add` appends)."""
+    if not headings and len(inputs) == 1 and (str(inputs[0]) == STDIN or not Path(inputs[0]).expanduser().is_dir()):
         return load_document(inputs[0], max_bytes=max_bytes)
     files = corpus_files(inputs, glob)
     texts: list[str] = []

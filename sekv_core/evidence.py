@@ -48,12 +48,16 @@ def evidence_rows(session, span_zoom_counts: dict, limit: int = 10, span_order: 
     pages = session.pack.manifest["document"].get("token_pages") or []
     parts = session.pack.manifest["document"].get("parts") or []
     lo, hi = document_tokens(pages, len(ids))
+    # --doc: only the chosen documents' tokens; a corpus: its documents' (not the tags between those `sekv add` appended)
+    allowed = getattr(session, "doc_ranges", None) or [(q["token_start"], q["token_end"]) for q in parts] or [(lo, hi)]
     clipped = {}
     for sid, count in span_zoom_counts.items():
         start, end = spans[int(sid)]
-        a, b = max(int(start), lo), min(int(end), hi)
-        if a < b and count > 0:
-            clipped[int(sid)] = (a, b, int(count))
+        for x, y in allowed:
+            a, b = max(int(start), lo, x), min(int(end), hi, y)
+            if a < b and count > 0:
+                clipped[int(sid)] = (a, b, int(count))
+                break
     total = sum(c for _, _, c in clipped.values())
     rows = []
     for sid, (a, b, count) in sorted(clipped.items(), key=lambda kv: (-kv[1][2], rank.get(kv[0], len(rank))))[:limit]:

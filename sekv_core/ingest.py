@@ -56,10 +56,14 @@ def _tokenize(lm: models.LoadedModel, doc: Document, system: str | None = None) 
     return _encode(lm, doc, system)[:3]
 
 
-def _encode(lm: models.LoadedModel, doc: Document, system: str | None = None) -> tuple[list[int], list[list[int]], int, list[dict]]:
-    """_tokenize(), and a corpus's documents as the manifest records them (document.parts), their token ranges."""
-    text = prompt.document_prefix(lm.tokenizer, doc.text, system)
-    doc_start = len(prompt.document_header(lm.tokenizer, system))
+def _encode(lm: models.LoadedModel, doc: Document, system: str | None = None, appended: bool = False) -> tuple[list[int], list[list[int]], int, list[dict]]:
+    """_tokenize(), and a corpus's documents as the manifest records them (document.parts), their token ranges.
+    ``appended``: the tokens of documents added to a pack (prompt.document_continuation; `sekv add`)."""
+    if appended:
+        text, doc_start = prompt.document_continuation(doc.text), len(prompt.CONTINUATION_OPEN)
+    else:
+        text = prompt.document_prefix(lm.tokenizer, doc.text, system)
+        doc_start = len(prompt.document_header(lm.tokenizer, system))
     enc = lm.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]
     runs: list[list[int]] = []

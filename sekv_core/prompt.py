@@ -65,6 +65,17 @@ def document_footer() -> str:
     return _CLOSE
 
 
+#: what opens documents appended to a pack (sekv add): they follow the pack's closing tag in a tag of their own
+CONTINUATION_OPEN = "<document>\n"
+
+
+def document_continuation(document: str) -> str:
+    """Text prefilled for documents appended to a pack (``sekv add``): after the pack's text (which ends with the
+    footer's blank line) they open a ``<document>`` tag of their own and close it as the first one was closed, so
+    the question's part follows them as it followed the pack."""
+    return CONTINUATION_OPEN + document + document_footer()
+
+
 def document_prefix(tokenizer, document: str, system: str | None = None) -> str:
     """Text prefilled at ingest: header, document, footer (everything up to and including the blank line after
     the document).  ``system``: the system prompt (None: SYSTEM)."""

@@ -37,6 +37,25 @@ class Session:
         self.window = reach.effective_window(pack.manifest.get("model"), models.context_window(lm.config))
         self.stop_ids = prompt.stop_token_ids(lm.tokenizer, getattr(lm.model, "generation_config", None))
         self.compile_layers = False  # on CUDA, decode steps' decoder layers torch.compile'd (sekv_core/graphed_step.py)
+        #: restrict(): the chosen documents' names and token ranges (None: every document)
+        self.documents: list[str] | None = None
+        self.doc_ranges: list[tuple[int, int]] | None = None
+
+    def restrict(self, names: list[str] | None) -> None:
+        """Limit the asks that follow to some of the pack's documents (``--doc``; None or []: all of them again): a
+        sekv memory ranks only their zoom blocks, rag retrieves only their chunks, the evidence comes only from them.
+        SekvError: a name the pack does not hold (the line lists its documents), a method that attends to every
+        document alike."""
+        if not names:
+            self.memory.restrict(None)
+            self.documents = self.doc_ranges = None
+            return
+        chosen = pick_documents(self.pack.manifest, names)
+        ranges = [(q["token_start"], q["token_end"]) for q in chosen]
+        if not self.memory.restrict(ranges):
+            raise SekvError(f"--doc: --method {self.method} attends to every document of the pack alike; "
+                            "questions can be limited to some documents with sekv or rag packs (docs/long-documents.md)")
+        self.documents, self.doc_ranges = [q["name"] for q in chosen], ranges
 
     @classmethod
     def open(
@@ -122,6 +141,26 @@ def open_memory(method, store, params: Params, shape: ModelShape, model) -> KVMe
     memory = cache_method.open(store, params, shape, devices if cache_method.per_layer_devices else home)
     memory.layer_devices = devices if cache_method.per_layer_devices else [home] * len(devices)
     return memory
+
+
+def pick_documents(manifest: dict, names: list[str]) -> list[dict]:
+    """The pack's documents (document.parts records, in pack order) that ``names`` name: each a document's name as
+    `sekv inspect` lists it (the path as given), or its file name; a name may be several, comma-separated.
+    SekvError for a name that matches none, listing the pack's documents."""
+    from .add import old_parts
+
+    parts = old_parts(manifest)
+    wanted = [n.strip() for name in names for n in str(name).split(",") if n.strip()]
+    chosen = set()
+    for n in wanted:
+        hits = [i for i, q in enumerate(parts) if n in (q["name"], Path(q["name"]).name)]
+        if not hits:
+            listed = ", ".join(q["name"] for q in parts[:20]) + (f" and {len(parts) - 20} more" if len(parts) > 20 else "")
+            raise SekvError(f"--doc {n}: no such document in the pack; its documents: {listed}")
+        chosen.update(hits)
+    if not chosen:
+        raise SekvError("--doc: give a document's name (sekv inspect PACK lists them)")
+    return [parts[i] for i in sorted(chosen)]
 
 
 def start_ask(memory: KVMemory, start: int, window: int, reserve: int) -> int:

@@ -82,3 +82,20 @@ def shift(x: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
     emb = torch.cat([angle, angle]).view(1, -1)
     cos, sin = emb.cos().float().to(x.device), emb.sin().float().to(x.device)
     return rope.apply(x.float(), cos, sin).to(x.dtype)
+
+
+def plan_append(n_old: int, n_tokens: int, header_len: int, capacity: int, after: int, carry: int = CARRY_TOKENS) -> list[Window]:
+    """Windows for tokens [n_old, n_tokens) appended to a pack of ``after`` windows (``sekv add``): prefilled on
+    their own, each opened by the header and the ``carry`` tokens before it (the pack's last ones for the first), as
+    :func:`plan`'s windows k >= 1 (numbered on from ``after``); ``capacity`` 0: no limit (one window).  ValueError
+    when the header leaves too little room."""
+    if n_tokens <= n_old:
+        return []
+    carry = max(0, min(carry, capacity // 4 if capacity else carry))
+    room = capacity - header_len - carry if capacity else n_tokens - n_old
+    if room < max(1, int(MIN_NEW_SHARE * capacity)):
+        raise ValueError(f"a window of {capacity} tokens leaves {room} for the document after its {header_len}-token header "
+                         f"and {carry} carried tokens")
+    bounds = [(s, min(n_tokens, s + room)) for s in range(n_old, n_tokens, room)]
+    n = after + len(bounds)
+    return [Window(after + i, n, s, e, min(carry, s - header_len), header_len) for i, (s, e) in enumerate(bounds)]

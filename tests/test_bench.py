@@ -433,3 +433,36 @@ def test_cli_missing_haystack_and_bad_input(tiny_qwen, tmp_path):
     _one_line_error(*_run("bench", "vt", "--methods", "nope", "--out", tmp_path / "o")[::2], "unknown cache method")
     _one_line_error(*_run("bench", "vt", "--budgets", "0,2", "--out", tmp_path / "o")[::2], "--budgets")
     _one_line_error(*_run("bench", "report", tmp_path / "empty")[::2], "results.jsonl not found")
+
+
+@pytest.mark.parametrize("depth,doc", [(0, 0), (30, 1), (60, 2), (100, 3)])
+def test_corpus_niah_is_a_corpus_with_the_needle_in_one_document(tok, haystack, tmp_path, monkeypatch, depth, doc):
+    """The context is what `sekv ingest essay_1.txt ... -o pack` packs (load_corpus of the documents written to files,
+    named as given); the needle is once in the corpus, in document floor(depth * 4), and the prompt fits the length."""
+    from sekv_core.documents import load_corpus
+
+    essays = tasks.load_haystack(haystack)
+    ctx = tasks.gen_corpus_niah(tok, 1024, depth, 5, essays)
+    needle = ctx.meta["needles"][0]
+    names = ctx.meta["documents"]
+    assert len(names) == 4 and ctx.meta["needle_document"] == names[doc] and ctx.document.count(needle) == 1
+    bodies = re.split(r"(?:^|\n\n)## file: essay_\d\.txt\n\n", ctx.document)[1:]
+    assert len(bodies) == 4 and needle in bodies[doc]
+    monkeypatch.chdir(tmp_path)
+    for name, body in zip(names, bodies):
+        (tmp_path / name).write_text(body)
+    assert load_corpus(names).text == ctx.document
+    n = len(prompt.encode(tok, prompt.document_prefix(tok, ctx.document)))
+    assert n == ctx.n_tokens <= 1024 and 1024 - n <= 64
+    lens = [len(tok(b, add_special_tokens=False)["input_ids"]) for b in bodies]
+    assert max(lens) - min(lens) <= 48  # documents of about the same length
+
+
+def test_cli_bench_corpus_niah(tiny_qwen, haystack, tmp_path):
+    out = tmp_path / "bench"
+    code, stdout, stderr = _run("bench", "corpus_niah", "--model", tiny_qwen, "--methods", "full,sekv", "--budgets", "0.3",
+                                "--lengths", "512", "--depths", "50", "--haystack", haystack, "--out", out, "-n", "4", "-q", "--no-plots")
+    assert code == 0, stderr
+    recs = runner.read_results(out / "results.jsonl")
+    assert {r["task"] for r in recs} == {"corpus_niah"} and {r["method"] for r in recs} == {"full", "sekv"}
+    assert "corpus_niah" in (out / "summary.md").read_text()

@@ -4,6 +4,7 @@ line, and the manifest records where each one's tokens lie (document.parts)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -158,3 +159,114 @@ def test_a_pack_whose_parts_are_out_of_range_is_refused(corpus, tiny_qwen):
         with pytest.raises(PackError, match="document.parts|documents"):
             check_manifest(p)
     p.close()
+
+
+# -- --doc: questions limited to some documents ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def three_docs(tmp_path_factory, tiny_qwen):
+    """A sekv pack of three documents (the sample log's three parts), made through the CLI."""
+    from conftest import SAMPLE_MD
+
+    d = tmp_path_factory.mktemp("three")
+    text = SAMPLE_MD.read_text()
+    third = len(text) // 3
+    for i, name in enumerate(("one.md", "two.md", "three.md")):
+        (d / name).write_text(text[i * third : (i + 1) * third])
+    pack = d / "c.sekv"
+    code, _, err = run("ingest", d / "one.md", d / "two.md", d / "three.md", "-o", pack, "--model", tiny_qwen, "--budget", "0.3", "-q")
+    assert code == 0, err
+    return d, pack
+
+
+@pytest.mark.parametrize("zoom,batched", [("router", False), ("router", True), ("all", False)], ids=["scout", "scout-batched", "zoom-all"])
+def test_doc_zooms_and_cites_only_the_chosen_document(three_docs, lm, zoom, batched):
+    """Property: under --doc, every zoomed span holds tokens of the chosen document and every evidence row lies in
+    it; with zoom "all" (every candidate block expanded), exactly the blocks of that document are."""
+    from sekv_core.evidence import evidence_rows
+    from sekv_core.session import Session
+
+    d, pack = three_docs
+    if zoom == "all":  # the exactness setting (a parameter of the pack)
+        from sekv_core.ingest import ingest
+
+        pack = d / "all.sekv"
+        if not pack.exists():
+            ingest(load_corpus([d / "one.md", d / "two.md", d / "three.md"]), pack, lm=lm, params={"zoom": "all", "budget": 0.3})
+    s = Session.open(pack, lm=lm, params={"budget": 0.9 if batched else 0.3})  # 0.9: room for more than the chosen document
+    s.memory.batched = batched  # the accelerators' step (its fixed zoom sets), run on the CPU
+    s.restrict(["two.md"])
+    part = next(q for q in s.pack.manifest["document"]["parts"] if q["name"].endswith("two.md"))
+    a, b = part["token_start"], part["token_end"]
+    spans = s.memory.spans()
+    for question in ("When was the lamp lit?", "What did the keeper write about the storm?"):
+        ans = s.ask(question, max_new_tokens=3)
+        counts = ans.stats.extra["span_zoom_counts"]
+        assert counts, "nothing was zoomed"
+        for sid in counts:
+            x, y = spans[int(sid)]
+            assert x < b and a < y, (sid, (x, y), (a, b))
+        if zoom == "all":  # every span of the chosen document, none else
+            assert {int(i) for i in counts} == {i for i, (x, y) in enumerate(spans) if x < b and a < y}
+        rows = evidence_rows(s, counts, span_order=ans.stats.extra.get("span_order"), limit=100)
+        assert rows and all(a <= r["tokens"][0] < r["tokens"][1] <= b and r["file"] == part["name"] for r in rows)
+    s.restrict(None)  # all documents again: the other documents are zoomed too
+    counts = s.ask("When was the lamp lit?", max_new_tokens=3).stats.extra["span_zoom_counts"]
+    assert any(not (spans[int(i)][0] < b and a < spans[int(i)][1]) for i in counts)
+    s.pack.close()
+
+
+def test_doc_names_and_errors(three_docs, tiny_qwen, lm):
+    from sekv_core.errors import SekvError
+    from sekv_core.session import Session, pick_documents
+
+    d, pack = three_docs
+    m = read_pack(pack).manifest
+    names = [q["name"] for q in m["document"]["parts"]]
+    assert [q["name"] for q in pick_documents(m, ["three.md,one.md"])] == [names[0], names[2]]  # pack order, file names
+    assert [q["name"] for q in pick_documents(m, [names[1], "two.md"])] == [names[1]]  # the path as listed, once
+    with pytest.raises(SekvError, match="no such document"):
+        pick_documents(m, ["four.md"])
+    code, out, err = run("ask", pack, "q?", "--doc", "four.md", "--model", tiny_qwen, "-q")
+    assert_one_line_error(code, err, "--doc four.md: no such document", names[0], names[2])
+    full = d / "full.sekv"
+    code, _, err = run("ingest", d / "one.md", d / "two.md", "-o", full, "--model", tiny_qwen, "--method", "full", "-q")
+    assert code == 0, err
+    code, out, err = run("ask", full, "q?", "--doc", "one.md", "--model", tiny_qwen, "-q")
+    assert_one_line_error(code, err, "--method full attends to every document")
+    code, out, err = run("ask", pack, "When was the lamp lit?", "--doc", "two.md", "--model", tiny_qwen, "--json", "-n", "2")
+    assert code == 0, err
+    ev = json.loads(out)["evidence"]
+    assert ev and {e["file"] for e in ev} == {names[1]}
+
+
+def test_doc_limits_rag_retrieval(three_docs, tiny_qwen, lm):
+    from sekv_core.session import Session
+
+    d, _ = three_docs
+    pack = d / "rag.sekv"
+    code, _, err = run("ingest", d / "one.md", d / "two.md", d / "three.md", "-o", pack, "--model", tiny_qwen, "--method", "rag", "-q")
+    assert code == 0, err
+    s = Session.open(pack, lm=lm)
+    part = s.pack.manifest["document"]["parts"][2]
+    s.restrict(["three.md"])
+    s.ask("When was the lamp lit?", max_new_tokens=1)
+    chunks = s.memory.spans()
+    assert s.memory.order and all(chunks[c][0] < part["token_end"] and part["token_start"] < chunks[c][1] for c in s.memory.order)
+    s.pack.close()
+
+
+def test_chat_takes_doc_and_the_doc_command(three_docs):
+    from test_chat import chat
+
+    d, pack = three_docs
+    one, two = str(d / "one.md"), str(d / "two.md")
+    script = "/doc\n/doc one.md\nWhen was the lamp lit?\n/doc all\n/doc nope.md\n/quit\n"
+    out, err = chat(pack, script, "--doc", "two.md", "--show-evidence")
+    said = [ln for ln in err.splitlines() if ln.startswith("questions about")]
+    assert said == [f"questions about {two} only (--doc)", f"questions about {two} only", f"questions about {one} only",
+                    "questions about every document"], err
+    cited = re.findall(r"#\d+ (\S+) page", out + err)
+    assert cited and set(cited) == {one}
+    assert "--doc nope.md: no such document" in err

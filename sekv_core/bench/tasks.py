@@ -8,6 +8,9 @@ that is prefilled once, and one or more :class:`Probe` questions asked of it.
               (the asked one at the depth, the others at seeded random depths).
 * ``mn_niah`` multi-needle NIAH: four passphrase needles (the first at the depth, the others at seeded random
               depths), each asked: the share of needles found.
+* ``corpus_niah`` NIAH over a corpus: the haystack as several documents of one pack (each under its
+              ``## file: NAME`` line, as `sekv ingest a b c -o pack` joins them); the needle in the one its
+              depth falls in, at that depth within it.
 * ``mv_niah`` multi-value NIAH: one key with several values scattered; all must be returned.
 * ``vt``      variable tracking: a chain VAR A = 12345, VAR B = VAR A, ... hidden in filler
               text (plus one distractor chain); name every variable that holds the number.
@@ -324,6 +327,42 @@ def gen_niah(tokenizer, length: int, depth: float, seed: int, essays: list[list[
     return Context("niah", length, depth, seed, text, [probe], n, {"needles": [needle], "needle_offsets": offsets, "sentences": k})
 
 
+def gen_corpus_niah(tokenizer, length: int, depth: float, seed: int, essays: list[list[str]], n_docs: int = 4) -> Context:
+    """NIAH over a corpus of ``n_docs`` documents of the haystack's sentences, each about the same length, joined as
+    documents.load_corpus joins files (``## file: essay_k.txt`` lines); depth is the needle's share of the whole
+    corpus: document k = floor(depth * n_docs) holds it, at the rest of that share within it."""
+    from ..documents import PART_HEADING, PART_SEPARATOR
+
+    rng = _rng("corpus_niah", seed, length, depth)
+    place = rng.choice(PLACES)
+    value = f"{rng.choice(NOUNS)}-{rng.randint(1000, 9999)}"
+    needle = f"The secret passphrase for the {place} archive is {value}."
+    names = [f"essay_{i + 1}.txt" for i in range(n_docs)]
+    k = min(n_docs - 1, int(depth / 100.0 * n_docs))
+    inner = min(1.0, depth / 100.0 * n_docs - k)
+
+    def n_tok(text: str) -> int:
+        return len(prompt.encode(tokenizer, prompt.document_prefix(tokenizer, text)))
+
+    head = n_tok("")  # the prompt around the corpus
+    per = max(0, (length - head) // n_docs - n_tok(PART_SEPARATOR + f"{PART_HEADING}{names[-1]}\n\n") + head - 2)  # a document's text
+    sents = _enough_sentences(tokenizer, lambda n: haystack_sentences(essays, _rng("hay", seed, length, depth), n), length)
+    texts, at = [], 0
+    for i in range(n_docs):
+        inserts = [(inner, needle)] if i == k else []
+        text, _, used, _ = _Fitter(tokenizer, sents[at:], inserts).fit(per + head)
+        texts.append(text)
+        at += used + 1
+    document = PART_SEPARATOR.join(f"{PART_HEADING}{name}\n\n{text}" for name, text in zip(names, texts))
+    n = n_tok(document)
+    if n > length:
+        raise SekvError(f"length {length} tokens is too short for a corpus of {n_docs} documents and the needle ({n} tokens)")
+    probe = Probe("", f"What is the secret passphrase for the {place} archive? Answer with the passphrase only.", [value],
+                  max_new_tokens=24)
+    return Context("corpus_niah", length, depth, seed, document, [probe], n,
+                   {"needles": [needle], "needle_offsets": [document.index(needle)], "documents": names, "needle_document": names[k]})
+
+
 def gen_mk_niah(tokenizer, length: int, depth: float, seed: int, essays: list[list[str]], n_keys: int = 4) -> Context:
     rng = _rng("mk_niah", seed, length, depth)
     keys = rng.sample(NOUNS, n_keys)
@@ -492,14 +531,15 @@ def gen_qa(tokenizer, seed: int, questions: str = "QUESTIONS.md", task: str = "q
 
 GRID_TASKS: dict[str, Callable[..., Context]] = {
     "niah": gen_niah,
+    "corpus_niah": gen_corpus_niah,
     "mk_niah": gen_mk_niah,
     "mn_niah": gen_mn_niah,
     "mv_niah": gen_mv_niah,
     "vt": gen_vt,
     "cwe": gen_cwe,
 }
-DEPTH_TASKS = ("niah", "mk_niah", "mn_niah")  # tasks whose contexts span the depth grid
-HAYSTACK_TASKS = ("niah", "mk_niah", "mn_niah", "mv_niah")
+DEPTH_TASKS = ("niah", "corpus_niah", "mk_niah", "mn_niah")  # tasks whose contexts span the depth grid
+HAYSTACK_TASKS = ("niah", "corpus_niah", "mk_niah", "mn_niah", "mv_niah")
 GROUPS = {"ruler": ["mk_niah", "mv_niah", "vt", "cwe"], "all": ["niah", "mk_niah", "mv_niah", "vt", "cwe", "qa"]}
 #: the sample documents' question files: `qa` (the README's and QUESTIONS.md's), `qa_heldout` (questions written
 #: after sekv's scout defaults were chosen on `qa`, to check them on questions they were not tuned on)

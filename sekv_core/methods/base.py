@@ -177,6 +177,12 @@ class KVMemory(ABC):
         document and the reserve do not fit; n_tokens() is then the question's position.  Default: nothing (the
         document must fit: sekv_core/reach.py)."""
 
+    def restrict(self, ranges: list[tuple[int, int]] | None) -> bool:
+        """Limit what the memory zooms into or retrieves to the token ranges [start, end) (some of a pack's documents:
+        ``--doc``; None: everything again), for the asks that follow.  False where the memory cannot (it attends to
+        its whole document as it is).  Default: cannot."""
+        return ranges is None
+
     def begin_step(self, n_new: int) -> None:
         """Called before each forward of n_new tokens."""
 

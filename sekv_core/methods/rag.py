@@ -91,6 +91,13 @@ class RagMemory(KVMemory):
         self.n_ctx = self.last_ctx = 0
         self.chosen: list[int] = []
         self.order: list[int] = []
+        self.allowed: set[int] | None = None  # restrict(): the chunks that may be retrieved
+
+    def restrict(self, ranges: list[tuple[int, int]] | None) -> bool:
+        """Retrieve only chunks with a token in ``ranges``."""
+        b = self.bounds
+        self.allowed = None if ranges is None else {c for c in range(len(b) - 1) if any(b[c] < y and x < b[c + 1] for x, y in ranges)}
+        return True
 
     def select(self, question: str | None) -> tuple[list[int], list[int]]:
         """(chosen chunks in document order, every chunk by score): the best-scoring chunks (ties: earlier first)
@@ -98,7 +105,7 @@ class RagMemory(KVMemory):
         from ..sekv.lexical import text_terms
 
         scores = self.index.scores(text_terms(question or ""))
-        order = sorted(range(len(self.bounds) - 1), key=lambda c: (-float(scores[c]), c))
+        order = sorted((c for c in range(len(self.bounds) - 1) if self.allowed is None or c in self.allowed), key=lambda c: (-float(scores[c]), c))
         room = self.cap - self.doc[0] - (self.n_doc - self.doc[1])
         chosen = []
         for c in order:

@@ -334,9 +334,49 @@ def read_factors(store, names: set[str], prefix: str, device=None, to_host: bool
     head_dim = int(store.get("sekv.config")[3])
     span_len = (store.get("sekv.span_end") - store.get("sekv.span_start")).long()
     parts = code_names(cfg["levels"]) + ("vt.lead", "rank") + scale_names(cfg["scales"])
+    segs = segments(store, names)
+    if segs is not None:  # a pack `sekv add` extended: each segment decoded on its own, then in (head, span) order
+        return _read_segments(store, prefix, parts, segs, span_len, head_dim, cfg, device, to_host)
     if device is not None and torch.device(device).type == "cuda":
         t = {k: store.get(f"{prefix}.{k}").to(device) for k in parts}
         f = decode_factors(t, span_len.to(device), head_dim, **cfg)
         return fz.Factors(*(x.cpu() for x in (f.us, f.vt, f.rank, f.us_scale, f.vt_scale))) if to_host else f
     with fz.single_thread():  # element-wise passes over ~1M elements: two threads were 5x slower on our 2-core CPU
         return decode_factors({k: store.get(f"{prefix}.{k}") for k in parts}, span_len, head_dim, **cfg)
+
+
+# -- segments: the coded factors of a pack `sekv add` extended ------------------------------------------------
+#
+# A group code and a log8 scale grid span a whole tensor, and a layer's factors are packed (KV head, span) ordered:
+# appended spans cannot join the coded tensors without coding the old ones again (a second rounding).  So an
+# extended pack keeps each ingest's or add's factors coded as they were, a *segment* of consecutive spans:
+# ``sekv.factor_segments`` int64 [K+1] (span boundaries, 0 .. S), segment 0 under the usual names, segment j >= 1
+# under ``{prefix}.s{j}.*``; ``{prefix}.rank`` holds every span's ranks.
+
+SEGMENTS = "sekv.factor_segments"
+
+
+def segments(store, names: set[str]) -> list[int] | None:
+    """The span boundaries of a pack's factor segments, or None (one segment: every pack `sekv add` did not extend)."""
+    return [int(x) for x in store.get(SEGMENTS).tolist()] if SEGMENTS in names else None
+
+
+def segment_name(prefix: str, j: int, part: str) -> str:
+    return f"{prefix}.{part}" if j == 0 or part == "rank" else f"{prefix}.s{j}.{part}"
+
+
+def _read_segments(store, prefix, parts, segs, span_len, head_dim, cfg, device, to_host) -> fz.Factors:
+    from .merge import merge_factors
+
+    cuda = device is not None and torch.device(device).type == "cuda"
+    dev = torch.device(device) if cuda else torch.device("cpu")
+    rank = store.get(f"{prefix}.rank")
+    pieces = []
+    with fz.single_thread():
+        for j, (a, b) in enumerate(zip(segs, segs[1:])):
+            t = {k: store.get(segment_name(prefix, j, k)).to(dev) for k in parts if k != "rank"}
+            t["rank"] = rank[:, a:b].contiguous().to(dev)
+            f = decode_factors(t, span_len[a:b].to(dev), head_dim, **cfg)
+            pieces.append(({"us": f.us, "vt": f.vt, "rank": f.rank, "us_scale": f.us_scale, "vt_scale": f.vt_scale}, span_len[a:b].to(dev)))
+        f = merge_factors(pieces, head_dim)
+    return fz.Factors(*(x.cpu() for x in (f.us, f.vt, f.rank, f.us_scale, f.vt_scale))) if cuda and to_host else f

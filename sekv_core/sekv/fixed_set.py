@@ -128,6 +128,7 @@ class FixedSets:
         top, idx = torch.topk(prio, pg, dim=1, sorted=True)  # [Hkv, pg] blocks, the same for every group
         n = r.block_len_dev[idx]
         ok = torch.cumprod((torch.cumsum(n, 1) <= (ug if r.layout is None else min(ug, r.layout.room))).to(torch.int8), 1).bool()
+        ok &= top > float("-inf")  # a block the ranking left out (Ranking.restrict)
         grp = torch.arange(hkv, device=dev).view(-1, 1)
         # a span's factor block is fetched once, by its first kept block; its other blocks read those rows (first
         # occurrence from a [pg, pg] comparison: no host sync)

@@ -14,6 +14,7 @@
   lex.terms [N] int32: the tokens' word terms (sekv/lexical.py)
   fk.l.* / fv.l.*  key / value factors (sekv/factorize.py); with factor_bits 4 coded at rest (sekv/codec.py,
                    factor_codec [4-5] int64, + factor_codec.fv where the values' code differs), decoded to int8 at open
+  factor_segments [K+1] int64: a pack `sekv add` extended, its coded factors in K segments of spans (sekv/codec.py)
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ def validate(store, shape, n_tokens: int) -> None:
         T("sekv.scout.profile", f32, ("S",), optional=True, finite=True),
         T("sekv.scout.profile_blocks", f32, ("B",), optional=True, finite=True),
         T("sekv.scout.profile_unit", ("int64",), (1,), optional=True, values=(0, N)),
+        T(codec.SEGMENTS, ("int64",), ("K1",), optional=True, values=(0, N), increasing=True),
         *(T(f"sekv.{k}.{{l}}.rank", ("int16",), ("Hkv", "S"), values=(0, shape.head_dim)) for k in ("fk", "fv")),
     ], dims, L)
     if dims["Hw"] not in (shape.n_heads, shape.n_kv_heads) or not 1 <= dims["dr"] <= 4096:
@@ -177,17 +179,28 @@ def _factor_specs(store, names: set[str], p: str, kind: str, n: torch.Tensor, hk
                 raise _bad(f"tensor '{cn}' is not a factor codec")
         cfg = codec.kind_config(store, names, kind)
     if cfg is not None and f"{p}.{codec.code_names(cfg['levels'])[0]}" in names:
-        b, g, lead = codec.bits_of(cfg["levels"]), cfg["group"], cfg["lead"]
-        n_lead = int(torch.minimum(r, torch.tensor(lead)).sum()) * d
-        m = n_vt - n_lead
-        cu, mu, cv, mv = codec.code_names(cfg["levels"])
-        want = {cu: (n_us * b + 7) // 8, mu: codec.n_groups(n_us, g), cv: (m * b + 7) // 8, mv: codec.n_groups(m, g)}
-        specs = [T(f"{p}.{k}", ("uint8",), (v,)) for k, v in want.items()] + [T(f"{p}.vt.lead", ("int8",), (n_lead,))]
-        if cfg["scales"] == "log8":
-            return specs + [T(f"{p}.us_scale.l8", ("uint8",), (hkv * T_,)), T(f"{p}.vt_scale.l8", ("uint8",), (rs,)),
-                            *(T(f"{p}.{k}_scale.l8p", ("float32",), (2,), finite=True) for k in ("us", "vt"))]
-        return specs + [T(f"{p}.us_scale", ("float16",), (hkv * T_,), finite=True), T(f"{p}.vt_scale", ("float16",), (rs,), finite=True)]
+        segs = codec.segments(store, names) or [0, int(n.numel())]
+        if segs[0] != 0 or segs[-1] != n.numel() or any(a > b for a, b in zip(segs, segs[1:])):
+            raise _bad(f"tensor '{codec.SEGMENTS}' does not cut the spans into segments")
+        return [x for j, (a, b) in enumerate(zip(segs, segs[1:])) for x in _coded_specs(cfg, lambda k, j=j: codec.segment_name(p, j, k), r[:, a:b], n[a:b], hkv, d)]
     if f"{p}.us_scale" in names:
         return [T(f"{p}.us", ("int8",), (n_us,)), T(f"{p}.vt", ("int8",), (n_vt,)),
                 T(f"{p}.us_scale", ("float16",), (hkv * T_,), finite=True), T(f"{p}.vt_scale", ("float16",), (rs,), finite=True)]
     return [T(f"{p}.us", FLOATS, (n_us,), finite=True), T(f"{p}.vt", FLOATS, (n_vt,), finite=True)]
+
+
+def _coded_specs(cfg: dict, name, r: torch.Tensor, n: torch.Tensor, hkv: int, d: int) -> list:
+    """The coded tensors of one factor segment (sekv/codec.py) with their lengths; name(part) -> tensor name."""
+    from ..pack import TensorSpec as T
+
+    rs, n_us, n_vt, T_ = int(r.sum()), int((r * n.view(1, -1)).sum()), int(r.sum()) * d, int(n.sum())
+    b, g, lead = codec.bits_of(cfg["levels"]), cfg["group"], cfg["lead"]
+    n_lead = int(torch.minimum(r, torch.tensor(lead)).sum()) * d
+    m = n_vt - n_lead
+    cu, mu, cv, mv = codec.code_names(cfg["levels"])
+    want = {cu: (n_us * b + 7) // 8, mu: codec.n_groups(n_us, g), cv: (m * b + 7) // 8, mv: codec.n_groups(m, g)}
+    specs = [T(name(k), ("uint8",), (v,)) for k, v in want.items()] + [T(name("vt.lead"), ("int8",), (n_lead,))]
+    if cfg["scales"] == "log8":
+        return specs + [T(name("us_scale.l8"), ("uint8",), (hkv * T_,)), T(name("vt_scale.l8"), ("uint8",), (rs,)),
+                        *(T(name(f"{k}_scale.l8p"), ("float32",), (2,), finite=True) for k in ("us", "vt"))]
+    return specs + [T(name("us_scale"), ("float16",), (hkv * T_,), finite=True), T(name("vt_scale"), ("float16",), (rs,), finite=True)]

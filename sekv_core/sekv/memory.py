@@ -82,6 +82,20 @@ class ZoomMemory(KVMemory):
         if self.step is not None:
             self.step.new_ask()
 
+    def restrict(self, ranges: list[tuple[int, int]] | None) -> bool:
+        """Only zoom blocks with a token in ``ranges`` are ranked (the scout's block mask, sekv/scout.py); the per-step
+        zoom cap is unchanged, the coarse entries and full-resolution tokens of the rest stay."""
+        if self.ranking is None:
+            return ranges is None
+        mask = None
+        if ranges is not None:
+            a, b = self.res.block_start, self.res.block_start + self.res.block_len
+            mask = torch.zeros(self.res.n_blocks, dtype=torch.bool)
+            for x, y in ranges:
+                mask |= (a < y) & (x < b)
+        self.ranking.restrict(None if mask is None else mask.to(self.device))
+        return True
+
     def resident_bytes(self) -> int:
         return self.res.kv.nbytes() + self.res.router_bytes + (self.step.resident_bytes() if self.step is not None else 0)
 

@@ -119,6 +119,15 @@ class Ranking:
         self.scouting = False
         self.ready = self.pending = kind == "all"
         self._sum = None
+        self.allowed: torch.Tensor | None = None  # restrict(): the blocks that may be ranked (--doc)
+
+    def restrict(self, allowed: torch.Tensor | None) -> None:
+        """Rank only the blocks where ``allowed`` [n_blocks] bool holds (None: every block): the others get priority
+        -inf, which no selection keeps."""
+        self.allowed = allowed
+        if self.kind == "all":
+            self.prio.copy_(torch.zeros_like(self.prio) if allowed is None else torch.where(allowed, 0.0, float("-inf")))
+            self.version += 1
 
     def ranks(self) -> bool:
         """Whether this forward keeps blocks in the ranking's order."""
@@ -149,6 +158,8 @@ class Ranking:
         rank = self._sum - profile_weight * profile
         if lexical_weight > 0 and lexical is not None and lexical.numel():
             rank = torch.where(lexical.max() > 0, zscore(rank) + lexical_weight * zscore(lexical), rank)
+        if self.allowed is not None:
+            rank = torch.where(self.allowed, rank, float("-inf"))
         self.prio.copy_(rank)
         self.version += 1
         self.pending = True
