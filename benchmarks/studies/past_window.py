@@ -11,6 +11,7 @@ right-aligned before it).  The variants, on the SAME needles:
 * ``win``          windowed ingest, read at the document's own positions (isolates the windowing)
 * ``win@rp``       windowed ingest, re-positioned (the product's path past the window)
 * ``win@rp/cN``    the same with N carried tokens (``--carries``)
+* ``...:packed``    re-positioned with the consecutive layout (``reposition=packed``) instead of the spread one
 * ``rag``, ``full`` the baselines
 
 Per sekv cell: the rank (0 = first) of the best needle block under the scout's final ranking and under its parts
@@ -197,10 +198,12 @@ def main() -> None:
                     answer = tok.decode(ans, skip_special_tokens=True).strip()
                     row["cells"][v] = {"answer": answer, "correct": bool(scoring.score(answer, pq)[0])}
                 else:
-                    kind, _, rest = v.partition("@")
+                    v_, _, how = v.partition(":")  # ":packed": the consecutive layout (reposition=packed)
+                    kind, _, rest = v_.partition("@")
                     carry = int(rest.split("/c")[1]) if "/c" in rest else windows.CARRY_TOKENS
                     key = "one" if kind == "one" else f"win/c{carry}"
-                    mem = sekv.open(DictStore(dict(packs[key])), params, shape, "cpu")
+                    p_v = params.replace(reposition=how) if how else params
+                    mem = sekv.open(DictStore(dict(packs[key])), p_v, shape, "cpu")
                     row["cells"][v] = sekv_cell(lm, mem, q_ids, pq, needle, rest.startswith("rp"), stop_ids, pq.max_new_tokens, a.batched)
                 c = row["cells"][v]
                 print(f"{a.length} d{depth:g} s{seed} {v:12s} {'Y' if c['correct'] else 'n'} {c['answer'][:28]!r:32s}"
