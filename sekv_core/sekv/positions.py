@@ -42,6 +42,7 @@ class Layout:
         #: spread: the document's gaps between units kept, scaled (:meth:`place`); n_doc: the document's tokens
         self.spread, self.n_doc = bool(spread and n_doc), int(n_doc)
         self.doc_sorted = torch.cat([full_pos.long(), span_start.long(), block_start.long()]).to(dev)[self.order]
+        self.rank = torch.argsort(self.order)  # unit -> its place in document order
         #: the document positions of the base units [F + S]: where their stored keys were rotated
         self.base_doc_pos = torch.cat([full_pos.long(), span_start.long()]).to(dev)
         self.block_len = block_len.long().to(dev)
@@ -72,7 +73,7 @@ class Layout:
         p0 = self.p0
         if self.spread and s.shape[1]:  # each unit also moved on by its share of the hidden tokens before it
             g = self._gaps(s, total)
-            off = off + g.gather(1, torch.argsort(order).view(1, -1).expand(hkv, -1))
+            off = off + g.gather(1, self.rank.to(dev).view(1, -1).expand(hkv, -1))
             total = total + g[:, -1:]  # still right-aligned: the last unit ends right before the question
         pos = torch.where(total <= p0, p0 - total + off, off * p0 // total.clamp_min(1))
         base, blocks = pos[:, : self.F + self.S], pos[:, self.F + self.S :]
