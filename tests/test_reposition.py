@@ -114,6 +114,69 @@ def test_layout_by_hand():
     assert capped.tolist() == [[True, False, False, False, False], [False, False, False, False, False]]
 
 
+def _hand_layout(spread: bool) -> Layout:
+    return Layout(torch.tensor([0, 1, 30]), torch.tensor([2, 14]), torch.tensor([12, 16]), torch.tensor([2, 6, 10, 14, 22]),
+                  torch.tensor([4, 4, 4, 8, 8]), torch.tensor([0, 0, 0, 1, 1]), 2, "cpu", n_doc=31, spread=spread)
+
+
+def test_spread_layout_by_hand():
+    """The example above, spread: with room for every hidden token (p0 >= 31 tokens) each unit sits at its document
+    position moved by p0 - 31; with less room the document's gaps shrink by room / hidden, floored, and the last
+    unit still ends right before the question."""
+    lay = _hand_layout(True)
+    keep = torch.tensor([[False, True, False, True, True], [False, False, False, False, False]])
+    lay.set_question_at(100)
+    base, blocks = lay.place(keep)
+    assert base[0].tolist() == [69 + p for p in (0, 1, 30, 2, 14)]
+    assert blocks[0, [1, 3, 4]].tolist() == [69 + 6, 69 + 14, 69 + 22]
+    assert base[1].tolist() == [69 + p for p in (0, 1, 30, 2, 14)]
+    # p0 = 28, group 0: 24 slots, 7 hidden tokens (block 0's 4 before block 1, block 2's 4 less the coarse entry's slot
+    # before span 1), room 4: gaps floor(e x 4 / 7) = 0, 0, 0 | 1 (e = 3) | 4 (e = 7) ...
+    lay.set_question_at(28)
+    base, blocks = lay.place(keep)
+    assert base[0].tolist() == [0, 1, 27, 2, 11]
+    assert blocks[0, [1, 3, 4]].tolist() == [4, 11, 19]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_spread_layout_keeps_order_and_never_moves_a_unit_farther_than_the_document(seed):
+    """Random spans, blocks and kept sets: held units in document order at increasing, non-overlapping slots in
+    [0, p0); the last held token right before the question; each unit's distance to the question at most its
+    document distance to the question's place after the document and at least its packed distance; p0 >= the
+    document's length: the document's positions, shifted (the sinks and the end window exactly)."""
+    g = torch.Generator().manual_seed(seed)
+    n_doc, sink, end = 400, 4, 20
+    cuts = sorted(set(torch.randint(sink + 1, n_doc - end, (12,), generator=g).tolist()))
+    starts = torch.tensor([sink] + cuts)
+    ends = torch.tensor(cuts + [n_doc - end])
+    full = torch.cat([torch.arange(sink), torch.arange(n_doc - end, n_doc)])
+    from sekv_core.sekv.segment import zoom_blocks
+
+    bs, b0, b1 = zoom_blocks(starts, ends, 8)
+    keep = torch.rand(2, b0.numel(), generator=g) < 0.4
+    for p0 in (60, 150, 399, 400, 450):
+        spread, packed = (Layout(full, starts, ends - starts, b0, b1 - b0, bs, 2, "cpu", n_doc=n_doc, spread=sp) for sp in (True, False))
+        spread.set_question_at(p0), packed.set_question_at(p0)
+        (sb, sk), (pb, pk) = spread.place(keep), packed.place(keep)
+        for h in range(2):
+            zoomed = torch.zeros(starts.numel(), dtype=torch.long).index_add_(0, bs, keep[h].long() * (b1 - b0))
+            coarse = zoomed < (ends - starts)
+            doc = torch.cat([full, starts[coarse], b0[keep[h]]])
+            size = torch.cat([torch.ones(full.numel() + int(coarse.sum()), dtype=torch.long), (b1 - b0)[keep[h]]])
+            slot = torch.cat([sb[h, : full.numel()], sb[h, full.numel() :][coarse], sk[h][keep[h]]])
+            pslot = torch.cat([pb[h, : full.numel()], pb[h, full.numel() :][coarse], pk[h][keep[h]]])
+            o = torch.argsort(2 * doc + torch.cat([torch.ones(full.numel()), torch.zeros(int(coarse.sum())), torch.ones(int(keep[h].sum()))]).long(), stable=True)
+            slot, pslot, doc, size = slot[o], pslot[o], doc[o], size[o]
+            if int(size.sum()) > p0:
+                continue  # past the cap: the base entries share positions (not the spread's case)
+            assert bool((slot[1:] >= slot[:-1] + size[:-1]).all()) and int(slot[0]) >= 0
+            assert int(slot[-1] + size[-1]) == p0
+            assert bool((p0 - slot <= n_doc - doc).all()) and bool((p0 - slot >= p0 - pslot).all())
+            if p0 >= n_doc:  # a coarse entry before its span's zoomed first block takes a slot of its own: +1 until a gap
+                moved = slot - (doc + (p0 - n_doc))
+                assert bool(((moved >= 0) & (moved <= 1)).all()) and not bool(moved[: sink].any() or moved[-end:].any())
+
+
 # -- a pack 6x longer than a tiny model's window, through the command line --------------------------------------
 
 WINDOW = 512  # the tiny_window model's max_position_embeddings

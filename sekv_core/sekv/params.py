@@ -20,6 +20,7 @@ SEGMENTATIONS = ("surprisal", "fixed")
 TAU_MODES = ("per_head", "global")
 KEY_SPACES = ("pre_rope", "post_rope")
 WEIGHTINGS = ("surprisal", "mean")
+REPOSITIONS = ("spread", "packed")
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,9 @@ class SekvParams(Params):
     zoom_unit: int = ask_time(16)
     # scout: rank = z(attention - profile) + lexical_weight x z(lexical score of the question's words); 0: attention alone
     lexical_weight: float = ask_time(2.0)
+    # past the window (sekv/positions.py): "spread" keeps the document's gaps between resident units, scaled to fit the
+    # window; "packed" puts the resident units at consecutive positions
+    reposition: str = ask_time("spread")
 
     def __post_init__(self):
         self._one_of("routing", ROUTINGS)
@@ -75,6 +79,7 @@ class SekvParams(Params):
         self._one_of("tau_mode", TAU_MODES)
         self._one_of("key_space", KEY_SPACES)
         self._one_of("weighting", WEIGHTINGS)
+        self._one_of("reposition", REPOSITIONS)
         self._one_of("factor_bits", (8, 4))
         self._one_of("value_bits", (3, 4))
         self._one_of("scale_bits", (8, 16))

@@ -32,13 +32,17 @@ class Layout:
     position (set per ask), ``room`` the zoomed tokens a group may hold."""
 
     def __init__(self, full_pos: torch.Tensor, span_start: torch.Tensor, span_len: torch.Tensor, block_start: torch.Tensor,
-                 block_len: torch.Tensor, block_span: torch.Tensor, n_kv_heads: int, device):
+                 block_len: torch.Tensor, block_span: torch.Tensor, n_kv_heads: int, device, n_doc: int = 0, spread: bool = False):
         dev = torch.device(device)
         self.F, self.S, self.B = int(full_pos.numel()), int(span_start.numel()), int(block_start.numel())
         self.hkv = n_kv_heads
         # a coarse entry sorts just before its span's first block (2p vs 2p + 1); full tokens lie in no span
         key = torch.cat([2 * full_pos.long() + 1, 2 * span_start.long(), 2 * block_start.long() + 1])
         self.order = torch.argsort(key, stable=True).to(dev)
+        #: spread: the document's gaps between units kept, scaled (:meth:`place`); n_doc: the document's tokens
+        self.spread, self.n_doc = bool(spread and n_doc), int(n_doc)
+        self.doc_sorted = torch.cat([full_pos.long(), span_start.long(), block_start.long()]).to(dev)[self.order]
+        self.rank = torch.argsort(self.order)  # unit -> its place in document order
         #: the document positions of the base units [F + S]: where their stored keys were rotated
         self.base_doc_pos = torch.cat([full_pos.long(), span_start.long()]).to(dev)
         self.block_len = block_len.long().to(dev)
@@ -67,10 +71,24 @@ class Layout:
         off = torch.empty_like(size).scatter_(1, order.view(1, -1).expand(hkv, -1), torch.cumsum(s, 1) - s)
         total = s.sum(1, keepdim=True)
         p0 = self.p0
+        if self.spread and s.shape[1]:  # each unit also moved on by its share of the hidden tokens before it
+            g = self._gaps(s, total)
+            off = off + g.gather(1, self.rank.to(dev).view(1, -1).expand(hkv, -1))
+            total = total + g[:, -1:]  # still right-aligned: the last unit ends right before the question
         pos = torch.where(total <= p0, p0 - total + off, off * p0 // total.clamp_min(1))
         base, blocks = pos[:, : self.F + self.S], pos[:, self.F + self.S :]
-        blocks = torch.where(keep, blocks, blocks - blen.view(1, -1))
+        blocks = torch.where(keep, blocks, (blocks - blen.view(1, -1)).clamp_min(0))  # never before position 0
         return base, blocks
+
+    def _gaps(self, s: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        """Spread layout: the positions each unit is moved on, in document order [Hkv, U]: the document tokens before it
+        that no unit holds (e, non-decreasing) x min(1, room / hidden tokens), floored.  When the last document token is
+        held the last unit gets all of min(room, hidden): the layout still ends right before the question, and with
+        room for every hidden token (p0 >= the document's length) each unit sits at its document position."""
+        e = torch.cummax(self.doc_sorted.view(1, -1) - (torch.cumsum(s, 1) - s), dim=1).values.clamp_min(0)
+        hidden = (self.n_doc - total).clamp_min(0)
+        room = torch.minimum((self.p0 - total).clamp_min(0), hidden)
+        return torch.where(hidden > 0, e * room // hidden.clamp_min(1), torch.zeros_like(e))
 
     def scout_positions(self) -> torch.Tensor:
         """Where the scout scores each zoom block [B]: the slot it would take were it the only one zoomed."""

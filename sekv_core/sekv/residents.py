@@ -68,6 +68,7 @@ class Residents:
         self.cost = (self.span_len * self.entry_bytes).to(device)  # bytes to rebuild span i for one KV group
         self.block_cost = (self.block_len * self.entry_bytes).to(device)  # ... zoom block b
         self.head_masks = params.head_masks
+        self.reposition_kind = params.reposition  # the layout past the window (sekv/positions.py)
         self.lexicon = lexical.Lexicon(store.get("sekv.lex.terms"), self.block_start, self.block_len) if "sekv.lex.terms" in self.names and self.n_blocks else None
         self.scout_profile = self._profile(store, params.block_unit)
         #: re-positioned attention (sekv/positions.py): set by reposition(), the first time an ask needs it
@@ -85,7 +86,8 @@ class Residents:
             raise SekvError("this pack's keys are stored after RoPE (key_space post_rope), so it cannot be read past the model's "
                             "window; re-ingest it with the default key space")
         self.layout = positions.Layout(self.full_pos, self.span_start, self.span_len, self.block_start, self.block_len,
-                                       self.block_span, self.shape.n_kv_heads, self.device)
+                                       self.block_span, self.shape.n_kv_heads, self.device, n_doc=self.n_doc,
+                                       spread=self.reposition_kind == "spread")
         cos, sin = rope.cos_sin(self.layout.base_doc_pos, self.inv_freq, self.rope_scaling, dtype=self.shape.dtype)
         for layer in range(self.shape.n_layers):
             k = self.kv.k[layer][0, :, : self.n_base]

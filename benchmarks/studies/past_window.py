@@ -1,0 +1,234 @@
+"""Why sekv finds fewer needles past the window: a CPU proxy of the multi-window situation.
+
+The H200 runs (docs/bench/niah-long-h200) put a 64K-120K document in 3-4 ingest windows and read it re-positioned
+inside the model's 32K window.  Here the same two mechanisms are forced on a short NIAH context with the real model:
+windowed ingest with a small window (``--window``, as SEKV_INGEST_WINDOW plans it: header + carried tokens + own part)
+and re-positioned attention with the question where it sits on the H200 (p0 = 32,768 - reserve, the resident set
+right-aligned before it).  The variants, on the SAME needles:
+
+* ``one``          one prefill, read at the document's own positions (today's path within the window)
+* ``one@rp``       the same pack, re-positioned (isolates the layout)
+* ``win``          windowed ingest, read at the document's own positions (isolates the windowing)
+* ``win@rp``       windowed ingest, re-positioned (the product's path past the window)
+* ``win@rp/cN``    the same with N carried tokens (``--carries``)
+* ``...:packed``    re-positioned with the consecutive layout (``reposition=packed``) instead of the spread one
+* ``rag``, ``full`` the baselines
+
+Per sekv cell: the rank (0 = first) of the best needle block under the scout's final ranking and under its parts
+(the question's summed z-scores alone, minus the profile, lexical), whether the needle's blocks are zoomed (in how
+many layers), the answer.  Rows go to ``--out`` (JSON) with the command.
+
+    python -m benchmarks.studies.past_window --length 8192 --window 2048 --depths 0,25,50,75,100 \
+        --out docs/bench/past-window-qwen2.5-0.5b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from sekv_core import methods, models, prompt, windows
+from sekv_core.bench import scoring, tasks
+from sekv_core.generate import generate
+from sekv_core.methods import scores as prefill_scores
+from sekv_core.methods.base import DictStore, ModelShape, PrefillResult
+from sekv_core.prefill import prefill, prefill_window
+from sekv_core.sekv import cpu_step, scout
+
+from benchmarks.studies.needles import needle_tokens
+
+
+
+class Probe:
+    """Records, for one ask, the scout ranking's parts and the blocks each layer kept at the answer's first forward."""
+
+    def __init__(self):
+        self.parts: dict[str, torch.Tensor] = {}
+        self.keeps: list[torch.Tensor] = []
+        self._orig_finish = scout.Ranking.finish_pass
+        self._orig_choose = cpu_step.CpuStep._choose
+
+    def __enter__(self):
+        probe = self
+
+        def finish(rk, profile, pw, lexical, lw):
+            probe.parts = {"question": rk._sum.clone(), "profile": profile.clone(),
+                           "lexical": None if lexical is None else lexical.clone(), "pw": pw, "lw": lw}
+            return probe._orig_finish(rk, profile, pw, lexical, lw)
+
+        def choose(step, layer, query):
+            keep, expanded = probe._orig_choose(step, layer, query)
+            if step.ranking is not None and step.ranking.ranks() and len(probe.keeps) < step.res.shape.n_layers:
+                probe.keeps.append(keep.clone())
+            return keep, expanded
+
+        scout.Ranking.finish_pass, cpu_step.CpuStep._choose = finish, choose
+        return self
+
+    def __exit__(self, *exc):
+        scout.Ranking.finish_pass, cpu_step.CpuStep._choose = self._orig_finish, self._orig_choose
+
+
+def rank_of(score: torch.Tensor, blocks: torch.Tensor) -> int:
+    order = torch.argsort(score, descending=True, stable=True)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.numel())
+    return int(pos[blocks].min()) if blocks.numel() else -1
+
+
+def sekv_cell(lm, mem, q_ids, probe_q, needle: tuple[int, int], layout: bool, stop_ids, max_new: int, batched: bool = False) -> dict:
+    """One sekv ask; layout: re-positioned with the question at the model's window - reserve, as past the window."""
+    res = mem.res
+    n0, n1 = needle
+    blocks = ((res.block_start < n1) & (res.block_start + res.block_len > n0)).nonzero().flatten()
+    reserve = len(q_ids) + max_new
+    if layout:
+        window = models.context_window(lm.config)
+        mem.question_at(window - reserve, window)
+    mem.batched = batched  # the accelerators' step (sekv/gpu_step.py, fixed_set.py), run here on the CPU
+    with Probe() as p:
+        ans, _ = generate(lm.model, mem, q_ids, max_new_tokens=max_new, stop_ids=stop_ids, question=probe_q.question, graphs=batched)
+    answer = lm.tokenizer.decode(ans, skip_special_tokens=True).strip()
+    parts = p.parts
+    q, prof = parts["question"].float().cpu(), parts["profile"].float().cpu()
+    lex = parts["lexical"]
+    final = q - parts["pw"] * prof
+    ranks = {"question": rank_of(q, blocks), "question-profile": rank_of(final, blocks)}
+    if lex is not None and parts["lw"] > 0:
+        lz = scout.zscore(lex.float().cpu())
+        ranks["lexical"] = rank_of(lz, blocks)
+        if float(lex.max()) > 0:
+            final = scout.zscore(final) + parts["lw"] * lz
+    ranks["final"] = rank_of(final, blocks)
+    zoomed = [bool(k[:, blocks].any()) for k in p.keeps]
+    full_cover = [bool(k[:, blocks].all()) for k in p.keeps]
+    kept_tokens = int((p.keeps[0].any(0).long() * res.block_len).sum()) if p.keeps else 0
+    stats = mem.step_stats().extra
+    return {
+        "answer": answer, "correct": bool(scoring.score(answer, probe_q)[0]),
+        "n_blocks": res.n_blocks, "n_spans": res.n_spans, "n_full": res.n_full, "needle_blocks": blocks.tolist(),
+        "ranks": ranks, "zoomed_layers": sum(zoomed), "all_needle_blocks_layers": sum(full_cover), "kept_tokens": kept_tokens,
+        "profile_at_needle": round(float(prof[blocks].max()), 3) if blocks.numel() else None,
+        "question_z_at_needle": round(float(q[blocks].max()), 3) if blocks.numel() else None,
+        "positions": stats.get("positions"), "window_capped": stats.get("window_capped"),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2.5-0.5b")
+    ap.add_argument("--length", type=int, default=8192)
+    ap.add_argument("--window", type=int, default=2048, help="the ingest window forced on the windowed variants")
+    ap.add_argument("--depths", default="0,25,50,75,100")
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--budget", type=float, default=0.1)
+    ap.add_argument("--carries", default="", help="extra carried-token counts for win@rp (default carry is windows.CARRY_TOKENS)")
+    ap.add_argument("--variants", default="one,one@rp,win,win@rp,rag,full")
+    ap.add_argument("--haystack", default="/work/shared/data/haystack/pg_essays")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default=None, help="model dtype (bfloat16: the H200's)")
+    ap.add_argument("--batched", action="store_true", help="sekv asks through the batched step and its static single-token path")
+    ap.add_argument("--param", action="append", default=[], help="sekv parameter KEY=VALUE")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    lm = models.load(a.model, device="cpu", dtype=getattr(torch, a.dtype) if a.dtype else None)
+    tok = lm.tokenizer
+    shape = ModelShape.of(lm.config, next(lm.model.parameters()).dtype)
+    stop_ids = prompt.stop_token_ids(tok, getattr(lm.model, "generation_config", None))
+    sekv, rag, full = methods.get("sekv"), methods.get("rag"), methods.get("full")
+    extra = {k: json.loads(v) if v[:1].isdigit() or v[:1] == "-" or v in ("true", "false") else v for k, v in (x.split("=", 1) for x in a.param)}
+    params = sekv.resolve_params({"budget": a.budget, **extra})
+    variants = a.variants.split(",")
+    carries = [int(c) for c in a.carries.split(",") if c]
+    variants += [f"win@rp/c{c}" for c in carries]
+    essays = tasks.load_haystack(a.haystack)
+    rows = []
+    out = Path(a.out) if a.out else None
+    for seed in (int(s) for s in a.seeds.split(",")):
+        for depth in (float(d) for d in a.depths.split(",")):
+            t0 = time.perf_counter()
+            ctx = tasks.gen_niah(tok, a.length, depth, seed, essays)
+            text = prompt.document_prefix(tok, ctx.document)
+            ids = prompt.encode(tok, text)
+            pq = ctx.probes[0]
+            q_ids = prompt.encode(tok, prompt.question_suffix(tok, pq.question))
+            needle = needle_tokens(tok, text, ctx.meta["needles"][0])
+            header = _header_len(tok, ctx.document)
+            row = {"length": a.length, "n_tokens": len(ids), "depth": depth, "seed": seed, "needle": list(needle),
+                   "expected": pq.expected, "window": a.window, "cells": {}}
+            caps = {"obs_window": sekv.obs_window(params)}
+            kinds = prefill_scores.capture_kinds(sekv.needs_scores)
+            text_sc = prefill_scores.text_scores(tok, text, ids, set(sekv.needs_scores) | set(rag.needs_scores))
+            one = None
+            if any(v.startswith("one") or v == "full" for v in variants):
+                one = prefill(lm.model, torch.tensor(ids), with_surprisal=True, capture=kinds, **caps)
+                one.scores.update(text_sc)
+            packs = {}
+            if one is not None:
+                packs["one"] = {k: v.cpu() for k, v in sekv.compress(one, params).items()}
+            for carry in sorted({windows.CARRY_TOKENS, *carries}):
+                if not any(v.startswith("win") and (f"/c{carry}" in v or (carry == windows.CARRY_TOKENS and "/c" not in v)) for v in variants):
+                    continue
+                reserve = min(512, a.window // 4)
+                plan = windows.plan(len(ids), header, a.window - reserve, carry)
+                pres = []
+                for w in plan:
+                    r = prefill_window(lm.model, ids, header, w, with_surprisal=True, capture=kinds, **caps)
+                    r.scores.update(text_sc)
+                    pres.append(r)
+                packs[f"win/c{carry}"] = {k: v.cpu() for k, v in sekv.compress_windows(iter(pres), params).items()}
+                row.setdefault("windows", {})[carry] = [[w.start, w.end] for w in plan]
+                del pres
+            for v in variants:
+                if v in ("rag", "full"):
+                    if v == "full":
+                        mem = full.open(DictStore({k: x.cpu() for k, x in full.compress(one, full.resolve_params({})).items()}),
+                                        full.resolve_params({}), shape, "cpu")
+                    else:
+                        rp = rag.resolve_params({"budget": a.budget})
+                        made = rag.compress(PrefillResult.without_kv(torch.tensor(ids), shape, text_sc, lm), rp)
+                        mem = rag.open(DictStore({k: x.cpu() for k, x in made.items()}), rp, shape, "cpu")
+                    ans, _ = generate(lm.model, mem, q_ids, max_new_tokens=pq.max_new_tokens, stop_ids=stop_ids, question=pq.question)
+                    answer = tok.decode(ans, skip_special_tokens=True).strip()
+                    row["cells"][v] = {"answer": answer, "correct": bool(scoring.score(answer, pq)[0])}
+                else:
+                    v_, _, how = v.partition(":")  # ":packed": the consecutive layout (reposition=packed)
+                    kind, _, rest = v_.partition("@")
+                    carry = int(rest.split("/c")[1]) if "/c" in rest else windows.CARRY_TOKENS
+                    key = "one" if kind == "one" else f"win/c{carry}"
+                    p_v = params.replace(reposition=how) if how else params
+                    mem = sekv.open(DictStore(dict(packs[key])), p_v, shape, "cpu")
+                    row["cells"][v] = sekv_cell(lm, mem, q_ids, pq, needle, rest.startswith("rp"), stop_ids, pq.max_new_tokens, a.batched)
+                c = row["cells"][v]
+                print(f"{a.length} d{depth:g} s{seed} {v:12s} {'Y' if c['correct'] else 'n'} {c['answer'][:28]!r:32s}"
+                      + (f" ranks {c['ranks']} zoomed {c['zoomed_layers']}/{shape.n_layers} prof {c['profile_at_needle']} q {c['question_z_at_needle']}"
+                         if "ranks" in c else ""), flush=True)
+            row["seconds"] = round(time.perf_counter() - t0, 1)
+            rows.append(row)
+            if out:
+                out.write_text(json.dumps({"command": "python -m benchmarks.studies.past_window " + " ".join(sys.argv[1:]),
+                                           "model": a.model, "budget": a.budget, "params": a.param, "rows": rows}, indent=1))
+    for v in variants:
+        print(f"{v:12s} found {sum(r['cells'][v]['correct'] for r in rows)}/{len(rows)}")
+
+
+def _header_len(tok, document: str) -> int:
+    """Tokens of the prompt before the document's text (every window's opening), as ingest computes it."""
+    from sekv_core.documents import Document, PageSpan
+    from sekv_core.ingest import _tokenize
+
+    class _LM:  # _tokenize reads only the tokenizer
+        tokenizer = tok
+
+    doc = Document(None, "niah", "txt", document, "", (PageSpan(1, 0, len(document)),))
+    return _tokenize(_LM, doc)[2]
+
+
+if __name__ == "__main__":
+    main()
