@@ -209,7 +209,10 @@ class ReconstructionMemory(FullMemory):
 
 
 def kvzip_scores(prefill: PrefillResult, p: KVzipParams) -> list[torch.Tensor]:
-    """Per layer the KVzip score of every document token [Hkv, N] float32 (sinks +inf, the template head 0)."""
+    """Per layer the KVzip score of every document token [Hkv, N] float32 (sinks +inf, the template head 0).
+
+    A window of a windowed ingest (``prefill.start > 0``, its keys at global positions) is reconstructed over its
+    own KV alone, the prompts at the positions after it; its first tokens score as any other (no sinks)."""
     from .. import runtime
 
     model = prefill.model
@@ -218,6 +221,8 @@ def kvzip_scores(prefill: PrefillResult, p: KVzipParams) -> list[torch.Tensor]:
         raise SekvError("kvzip reruns the model over the document at compress time: it needs the prefill's model and "
                         "its 'kvzip_prompts' (ingest and `sekv bench` provide both)")
     ids = prefill.token_ids.tolist()
+    if prefill.start > 0:  # a later window of a windowed ingest (sekv_core/windows.py): its tokens are all context
+        prompts = dict(prompts, context_start=0)
     passes = reconstruction_inputs(ids, prompts, p.chunk)
     memory = ReconstructionMemory(prefill, p.sinks, extra=max((len(x) for _, _, x in passes), default=1))
     layers = model.get_decoder().layers
@@ -234,12 +239,12 @@ def kvzip_scores(prefill: PrefillResult, p: KVzipParams) -> list[torch.Tensor]:
     try:
         for a, b, x in passes:
             memory.span = (a, b)
-            runtime.forward_hidden(model, torch.tensor([x], device=device), memory.n_doc, memory)
+            runtime.forward_hidden(model, torch.tensor([x], device=device), prefill.start + memory.n_doc, memory)
             memory.truncate(memory.n_doc)
     finally:
         for hk in hooks:
             hk.remove()
-    for s in memory.scores:
+    for s in memory.scores if prefill.start == 0 else ():
         s[:, : p.sinks] = float("inf")
     return [s.cpu() for s in memory.scores]
 

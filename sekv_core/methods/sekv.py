@@ -22,6 +22,10 @@ class SekvMethod(CacheMethod):
     needs_scores = ("obs_queries", "lex_terms")
     ablations = ABLATIONS
 
+    def needs(self, params: SekvParams) -> tuple[str, ...]:
+        """With the KVzip prior (sekv/prior.py), also the reconstruction prompts kvzip reads."""
+        return self.needs_scores + (("kvzip_prompts",) if params.prior == "kvzip" else ())
+
     def obs_window(self, params: SekvParams) -> int:
         return scout.PROFILE_QUERIES
 

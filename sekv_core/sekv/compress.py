@@ -2,7 +2,8 @@
 
 surprisal -> anchors + spans (sekv/segment.py) -> coarse means (sekv/summarize.py) -> per-span SVD factors of
 pre-RoPE keys and of values (sekv/factorize.py, sekv/rope.py), coded 4-bit (sekv/codec.py) -> router W, norms, tau
-(sekv/router.py) and the scout's document profile and word terms (sekv/scout.py, sekv/lexical.py).  Runs on the
+(sekv/router.py) and the scout's document profile, word terms and optional KVzip prior (sekv/scout.py, sekv/lexical.py,
+sekv/prior.py).  Runs on the
 prefill's device; only the results move to the host (sekv/host_copies.py).  A document prefilled in windows
 (sekv_core/windows.py) is compressed a window at a time (:func:`compress_window`) and merged (sekv/merge.py).
 """
@@ -14,7 +15,7 @@ import torch
 from ..methods.base import ModelShape, PrefillResult
 from . import codec
 from . import factorize as fz
-from . import layout, merge, rope, router, router_file, scout
+from . import layout, merge, prior, rope, router, router_file, scout
 from .host_copies import HostCopies, to_host
 from .params import SekvParams
 from .segment import Segmentation, auto_lengths, fixed_segment, segment, zoom_blocks
@@ -126,6 +127,8 @@ def compress_window(prefill: PrefillResult, params: SekvParams, trained=None, ar
 def _window_tensors(prefill: PrefillResult, params: SekvParams, seg: Segmentation) -> dict[str, torch.Tensor]:
     """A window's scout profiles: its spans' and zoom blocks' attention from its last queries (sekv/scout.py)."""
     out = {"scout.profile": scout.document_profile(prefill, seg.span_start, seg.span_end)}
+    if params.prior == "kvzip":  # KVzip's reconstruction scores as a per-token prior (sekv/prior.py)
+        out["prior.kvzip"] = prior.window_prior(prefill, params.layout_budget)
     unit = max(0, params.zoom_unit)
     if unit > 0 and seg.n_spans:  # the profile of the zoom blocks the pack is made for (another unit at ask time: the span's)
         _, b0, b1 = zoom_blocks(seg.span_start, seg.span_end, unit)
