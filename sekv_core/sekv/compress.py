@@ -92,6 +92,8 @@ def compress_windows(windows, params: SekvParams, arena: torch.Tensor | None = N
             lex = prefill.scores["lex_terms"]
         with fz.single_thread():  # many small tensor ops: intra-op threads cost more than they give (the prefill keeps them)
             piece = compress_window(prefill, params, trained, arena if not pieces else None)
+        if params.prior == "kvzip":  # KVzip's reconstruction passes: model forwards, with the prefill's threads
+            piece.tensors["prior.kvzip"] = prior.window_prior(prefill, params.layout_budget)
         m = [piece.tensors.pop(f"moment.{li}") for li in range(prefill.shape.n_layers)]  # summed as they come
         moments = m if not moments else [a + b for a, b in zip(moments, m)]
         pieces.append(piece)
@@ -127,8 +129,6 @@ def compress_window(prefill: PrefillResult, params: SekvParams, trained=None, ar
 def _window_tensors(prefill: PrefillResult, params: SekvParams, seg: Segmentation) -> dict[str, torch.Tensor]:
     """A window's scout profiles: its spans' and zoom blocks' attention from its last queries (sekv/scout.py)."""
     out = {"scout.profile": scout.document_profile(prefill, seg.span_start, seg.span_end)}
-    if params.prior == "kvzip":  # KVzip's reconstruction scores as a per-token prior (sekv/prior.py)
-        out["prior.kvzip"] = prior.window_prior(prefill, params.layout_budget)
     unit = max(0, params.zoom_unit)
     if unit > 0 and seg.n_spans:  # the profile of the zoom blocks the pack is made for (another unit at ask time: the span's)
         _, b0, b1 = zoom_blocks(seg.span_start, seg.span_end, unit)
