@@ -4,9 +4,11 @@ points per task and budget (the target: >= 0 everywhere, >= +10 at 5 % and 10 % 
 
     python -m benchmarks.studies.grid_table docs/bench/grid-niah-h200 docs/bench/grid-qa-h200 ... [--methods a,b]
 
-Reads results.jsonl only (failed cells, rows with "error", are left out and counted).  compress / prefill is
-the mean over contexts of compress_s / prefill_s (the bench's shared prefill also records what the methods' scores
-need, so it is a little slower than a plain prefill); TTFT the mean over answers.
+Reads results.jsonl only (failed cells, rows with "error", are left out and counted).  compress s is the mean
+over contexts of compress_s; compress / prefill the mean of compress_s / prefill_s, where prefill_s is the bench's
+shared prefill, which also records what every method's scores need (surprisal, observation queries, H2O's attention
+mass ...), so it is slower than a plain prefill; TTFT the mean over answers; decode tok/s the generated tokens over
+the decode seconds, summed over answers.
 """
 
 from __future__ import annotations
@@ -42,6 +44,13 @@ def _context(r: dict) -> tuple:
     return (r["task"], r.get("length"), r.get("depth"), r.get("seed"), r["n_tokens"])
 
 
+def _rate(rs: list[dict]) -> str:
+    """Decoded tokens per second over the answers (generated tokens / decode seconds, summed)."""
+    toks = sum(r.get("generated_tokens") or 0 for r in rs)
+    secs = sum(r.get("decode_s") or 0 for r in rs)
+    return f"{toks / secs:.1f}" if secs > 0 else "–"
+
+
 def tables(rows: list[dict], methods: list[str] | None = None) -> str:
     by = defaultdict(list)
     for r in rows:
@@ -52,8 +61,8 @@ def tables(rows: list[dict], methods: list[str] | None = None) -> str:
     budgets = sorted({k[2] for k in by if k[2] is not None})
     out = []
     for t in tasks:
-        out += [f"#### {t}", "", "| method | budget | correct | identical to full | compress / prefill | TTFT s | resident KV |",
-                "|---|---|---|---|---|---|---|"]
+        out += [f"#### {t}", "", "| method | budget | correct | identical to full | compress s | compress / prefill | TTFT s | decode tok/s | resident KV |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for m in order:
             for b in ([None] if m == "full" else budgets):
                 rs = by.get((t, m, b))
@@ -61,14 +70,14 @@ def tables(rows: list[dict], methods: list[str] | None = None) -> str:
                     continue
                 n_ok = sum(bool(r["correct"]) for r in rs)
                 ident = [r for r in rs if r.get("identical_to_full") is not None]
-                ctx = {}
-                for r in rs:
-                    ctx[_context(r)] = r.get("compress_s", 0) / max(r.get("prefill_s") or 0, 1e-9)
-                out.append("| {} | {} | {}/{} ({:.0f} %) | {} | {} | {:.2f} | {:.1f} % |".format(
+                ctx = {_context(r): (r.get("compress_s") or 0.0, r.get("prefill_s") or 0.0) for r in rs}
+                comp = "–" if m == "full" else f"{mean(c for c, _ in ctx.values()):.3g}"
+                ratio = "–" if m == "full" else f"{mean(c / max(p, 1e-9) for c, p in ctx.values()):.2f}"
+                out.append("| {} | {} | {}/{} ({:.0f} %) | {} | {} | {} | {:.2f} | {} | {:.1f} % |".format(
                     m, "–" if b is None else f"{b:g}", n_ok, len(rs), 100 * n_ok / len(rs),
                     f"{100 * sum(bool(r['identical_to_full']) for r in ident) / len(ident):.0f} %" if ident else "–",
-                    "–" if m == "full" else f"{mean(ctx.values()):.2f}", mean(r["ttft_s"] for r in rs if r.get("ttft_s") is not None),
-                    100 * mean(r["resident_fraction"] for r in rs)))
+                    comp, ratio, mean(r["ttft_s"] for r in rs if r.get("ttft_s") is not None),
+                    _rate(rs), 100 * mean(r["resident_fraction"] for r in rs)))
         out.append("")
     if "sekv" in present and "kvzip" in present:
         out += ["#### sekv - kvzip (accuracy points)", "", "| task | " + " | ".join(f"{b:g}" for b in budgets) + " |",
