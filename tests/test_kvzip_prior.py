@@ -160,3 +160,20 @@ def test_a_windowed_document_gets_a_prior_for_every_token(lm, tmp_path, monkeypa
     for a, b in p.manifest["windows"]:
         assert float(t[a:b].max()) > 0
     assert Session.open(r.pack_path, lm=lm).ask(QUESTION, max_new_tokens=4).token_ids
+
+
+def test_the_bench_runs_the_prior_as_a_variant_and_the_default_without_its_prompts(lm, haystack, tmp_path):
+    from sekv_core.bench import runner
+
+    def run(methods_, out):
+        cfg = runner.BenchConfig(tasks=["niah"], methods=methods_, budgets=[0.5], lengths=[300], depths=[50], seed=0,
+                                 haystack=haystack, max_new_tokens=4)
+        o = runner.run(lm, cfg, out)
+        assert not o.errors, o.errors
+        return runner.read_results(out / runner.RESULTS_FILE)
+
+    plain = run(["sekv"], tmp_path / "plain")
+    assert "kvzip_prompts" not in plain[0]["prefill_with"]
+    both = run(["sekv", "sekv:prior=kvzip"], tmp_path / "both")
+    variant = [r for r in both if r["method"] == "sekv:prior=kvzip"]
+    assert len(variant) == 1 and variant[0]["params"]["prior"] == "kvzip" and "kvzip_prompts" in variant[0]["prefill_with"]
