@@ -22,8 +22,7 @@ from sekv_core.sekv import prior
 from sekv_core.session import Session
 
 from conftest import SAMPLE_MD
-
-QUESTION = "How many steps does the tower have?"
+from test_kvzip import QUESTION, doc  # noqa: F401  (doc: the module-scoped sample log, a fixture)
 
 
 # ---------------------------------------------------------------------------- the token and block priors
@@ -84,13 +83,6 @@ def test_prior_parameters_are_checked():
 
 
 # ---------------------------------------------------------------------------- through a pack on disk
-
-
-@pytest.fixture(scope="module")
-def doc(tmp_path_factory):
-    p = tmp_path_factory.mktemp("doc") / "log.md"
-    p.write_text(SAMPLE_MD.read_text()[:2200])
-    return p
 
 
 @pytest.fixture(scope="module")
