@@ -188,7 +188,7 @@ def ingest(
     inputs = [p.path for p in doc.parts if p.path] or ([doc.path] if doc.path else [])
     slot = prepare_output(out_path, force=force, inputs=inputs, needed_bytes=needed + (1 << 20))
     try:
-        needs = cache_method.needs_scores
+        needs = cache_method.needs(params)
         text_scores = scores.text_scores(lm.tokenizer, prompt.document_prefix(lm.tokenizer, doc.text, system), ids, needs, system)
         on_gpu = placement.input_device(lm.model).type == "cuda"
         if on_gpu and len(plan) == 1:  # host memory for compress's results, ready by the time it runs

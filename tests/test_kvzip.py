@@ -242,6 +242,39 @@ def test_ragged_memory_equals_masked_full_attention():
     assert mem.n_tokens() == n and mem.resident_bytes() == 7 * 2 * d * 4
 
 
+def test_ragged_memory_attention_shapes_stay_fixed_between_growths():
+    """Each (layer, KV head) buffer is a multiple of ROW_QUANTUM rows and every forward attends over all of it (the
+    rest masked): 100 single-token steps see the shapes of the first one (kernels that plan per shape re-plan
+    only when a buffer grows)."""
+    from sekv_core.methods import kvzip
+
+    torch.manual_seed(0)
+    L, H, Hkv, d, n = 2, 4, 2, 8, 40
+    shape = ModelShape(L, H, Hkv, d, torch.float32)
+    kept = [[torch.arange(0, n, 3), torch.arange(5)], [torch.arange(n), torch.arange(0, n, 7)]]
+    keys = [[torch.randn(ix.numel(), d) for ix in layer] for layer in kept]
+    mem = RaggedEvictedMemory(keys, keys, n, shape, "cpu")
+    seen = []
+    real = kvzip.F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        seen.append((tuple(q.shape), tuple(k.shape), tuple(kw["attn_mask"].shape)))
+        return real(q, k, v, **kw)
+
+    kvzip.F.scaled_dot_product_attention = spy
+    try:
+        steps = []
+        for _ in range(100):
+            seen.clear()
+            for layer in range(L):
+                mem.attend(layer, torch.randn(1, H, 1, d), torch.randn(1, Hkv, 1, d), torch.randn(1, Hkv, 1, d), 0.3)
+            steps.append(list(seen))
+    finally:
+        kvzip.F.scaled_dot_product_attention = real
+    assert all(s == steps[0] for s in steps)
+    assert all(k[2] % kvzip.ROW_QUANTUM == 0 for _, k, _ in steps[0])
+
+
 # ---------------------------------------------------------------------------- ingest, pack, ask
 
 

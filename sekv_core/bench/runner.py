@@ -431,7 +431,9 @@ def _fingerprint(pre) -> float:
     return float(sum(torch.nan_to_num(t.float()).abs().sum(dtype=torch.float64) for t in (*pre.keys, *pre.values)))
 
 
-def _needs_scores(method) -> tuple[str, ...]:
+def _needs_scores(method, params=None) -> tuple[str, ...]:
+    if params is not None and hasattr(method, "needs"):
+        return tuple(method.needs(params) or ())
     return tuple(getattr(method, "needs_scores", ()) or ())
 
 
@@ -452,7 +454,7 @@ def _prefill_for(model, tok, ids: torch.Tensor, text: str, with_surprisal: bool,
     for m, b in pairs:
         variant = variants.parse(m)
         method = methods.get(variant.method)
-        n = _needs_scores(method)
+        n = _needs_scores(method, method.resolve_params(variant.params(b)))
         needs.update(n)
         if "obs_queries" in n:
             window = max(window, _obs_window(method, method.resolve_params(variant.params(b))))
@@ -471,8 +473,9 @@ def _windowed_prefills(lm: models.LoadedModel, ctx: tasks.Context, ids: list[int
     for m, b in pairs:
         variant = variants.parse(m)
         method = methods.get(variant.method)
-        needs.update(_needs_scores(method))
-        obs = max(obs, _obs_window(method, method.resolve_params(variant.params(b))))
+        params = method.resolve_params(variant.params(b))
+        needs.update(_needs_scores(method, params))
+        obs = max(obs, _obs_window(method, params))
     doc = Document(None, ctx.task, "txt", ctx.document, "", (PageSpan(1, 0, len(ctx.document)),))
     _, _, header_len = ingest._tokenize(lm, doc)
     taking = [methods.get(variants.parse(m).method) for m, _ in pairs]

@@ -416,6 +416,10 @@ class CacheMethod(ABC):
         """The defaults with ``overrides`` (a pack's manifest, CLI options) applied and checked."""
         return self.params_type.from_dict(overrides, self.name)
 
+    def needs(self, params: Params) -> tuple[str, ...]:
+        """The prefill statistics compress() reads with these parameters (default: ``needs_scores``)."""
+        return self.needs_scores
+
     def obs_window(self, params: Params) -> int:
         """Document tokens whose queries the prefill records when ``needs_scores`` has "obs_queries"."""
         return int(getattr(params, "window", 64))

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import SekvError
 from .base import CacheMethod, GrowingKV, KVMemory, ModelShape, PrefillResult, StepStats, TensorStore, causal_attention
@@ -209,7 +210,10 @@ class ReconstructionMemory(FullMemory):
 
 
 def kvzip_scores(prefill: PrefillResult, p: KVzipParams) -> list[torch.Tensor]:
-    """Per layer the KVzip score of every document token [Hkv, N] float32 (sinks +inf, the template head 0)."""
+    """Per layer the KVzip score of every document token [Hkv, N] float32 (sinks +inf, the template head 0).
+
+    A window of a windowed ingest (``prefill.start > 0``, its keys at global positions) is reconstructed over its
+    own KV alone, the prompts at the positions after it; its first tokens score as any other (no sinks)."""
     from .. import runtime
 
     model = prefill.model
@@ -218,6 +222,8 @@ def kvzip_scores(prefill: PrefillResult, p: KVzipParams) -> list[torch.Tensor]:
         raise SekvError("kvzip reruns the model over the document at compress time: it needs the prefill's model and "
                         "its 'kvzip_prompts' (ingest and `sekv bench` provide both)")
     ids = prefill.token_ids.tolist()
+    if prefill.start > 0:  # a later window of a windowed ingest (sekv_core/windows.py): its tokens are all context
+        prompts = dict(prompts, context_start=0)
     passes = reconstruction_inputs(ids, prompts, p.chunk)
     memory = ReconstructionMemory(prefill, p.sinks, extra=max((len(x) for _, _, x in passes), default=1))
     layers = model.get_decoder().layers
@@ -234,12 +240,12 @@ def kvzip_scores(prefill: PrefillResult, p: KVzipParams) -> list[torch.Tensor]:
     try:
         for a, b, x in passes:
             memory.span = (a, b)
-            runtime.forward_hidden(model, torch.tensor([x], device=device), memory.n_doc, memory)
+            runtime.forward_hidden(model, torch.tensor([x], device=device), prefill.start + memory.n_doc, memory)
             memory.truncate(memory.n_doc)
     finally:
         for hk in hooks:
             hk.remove()
-    for s in memory.scores:
+    for s in memory.scores if prefill.start == 0 else ():
         s[:, : p.sinks] = float("inf")
     return [s.cpu() for s in memory.scores]
 
@@ -280,11 +286,23 @@ def select_kept(scores: list[torch.Tensor], k: int, level: str) -> list[list[tor
 # ---------------------------------------------------------------------------- runtime memory
 
 
+#: a (layer, KV head) buffer holds a multiple of this many rows, and every forward attends over the whole buffer with
+#: a mask: one attention shape per buffer until it grows.  With one shape per (layer, head) that grows by a row at
+#: every token, kvzip decoded 0.7-2.6 tok/s on an H200 where snapkv (one shape per token) did 26-29: likely
+#: attention kernels that plan per shape (cuDNN attention on Hopper builds a graph per shape).
+ROW_QUANTUM = 256
+
+
+def _quantum(rows: int) -> int:
+    return -(-max(1, rows) // ROW_QUANTUM) * ROW_QUANTUM
+
+
 class RaggedEvictedMemory(KVMemory):
     """Kept document K/V per layer and KV head (counts may differ between heads) + the appended tokens.
 
-    Each (layer, KV head) owns one buffer: its kept rows, then the appended tokens; a forward
-    attends head by head (the head's query group over its own rows).
+    Each (layer, KV head) owns one buffer: its kept rows, then the appended tokens, then zeros up to its capacity
+    (a multiple of ROW_QUANTUM); a forward attends head by head (the head's query group over its whole buffer, the
+    rows past its tokens masked), so attention shapes change only when a buffer grows.
     """
 
     def __init__(self, keys: list[list[torch.Tensor]], values: list[list[torch.Tensor]], n_doc: int, shape: ModelShape,
@@ -294,31 +312,40 @@ class RaggedEvictedMemory(KVMemory):
         self.bk = [[self._buffer(k, extra, device) for k in layer] for layer in keys]
         self.bv = [[self._buffer(v, extra, device) for v in layer] for layer in values]
         self.appended = [0] * shape.n_layers
+        self._cols = torch.arange(max(b.shape[2] for layer in self.bk for b in layer), device=device)
 
     def _buffer(self, t: torch.Tensor, extra: int, device) -> torch.Tensor:
-        buf = torch.zeros(1, 1, t.shape[0] + extra, self.shape.head_dim, dtype=self.shape.dtype, device=device)
+        buf = torch.zeros(1, 1, _quantum(t.shape[0] + extra), self.shape.head_dim, dtype=self.shape.dtype, device=device)
         buf[0, 0, : t.shape[0]].copy_(t)
         return buf
 
-    def _reserve(self, layer: int, rows: int) -> None:
+    def _fit(self, layer: int, j: int, rows: int) -> None:
+        """Room for ``rows`` rows in the buffers of (layer, KV head j)."""
         for bufs in (self.bk[layer], self.bv[layer]):
-            for j, buf in enumerate(bufs):
-                if rows > buf.shape[2]:
-                    new = buf.new_zeros(1, 1, max(2 * buf.shape[2], rows), buf.shape[3])
-                    new[:, :, : buf.shape[2]] = buf
-                    bufs[j] = new
+            buf = bufs[j]
+            if rows > buf.shape[2]:
+                new = buf.new_zeros(1, 1, _quantum(max(2 * buf.shape[2], rows)), buf.shape[3])
+                new[:, :, : buf.shape[2]] = buf
+                bufs[j] = new
+        if self.bk[layer][j].shape[2] > self._cols.numel():
+            self._cols = torch.arange(self.bk[layer][j].shape[2], device=self._cols.device)
 
     def attend(self, layer, query, key, value, scaling):
         q, g = query.shape[-2], self.shape.n_heads // self.shape.n_kv_heads
         a = self.appended[layer]
-        self._reserve(layer, max(self.kept[layer]) + a + q)
+        rows = torch.arange(q, device=query.device)
         outs = []
         for j in range(self.shape.n_kv_heads):
             end = self.kept[layer][j] + a
+            self._fit(layer, j, end + q)
             bk, bv = self.bk[layer][j], self.bv[layer][j]
             bk[0, 0, end : end + q] = key[0, j]
             bv[0, 0, end : end + q] = value[0, j]
-            outs.append(causal_attention(query[:, j * g : (j + 1) * g], bk[:, :, : end + q], bv[:, :, : end + q], scaling, q))
+            visible = self._cols[: bk.shape[2]].view(1, -1) <= (rows + end).view(-1, 1)  # [q, capacity]: causal, no padding
+            # the group's g heads x q tokens as g*q query rows of one head: no GQA kernel needed
+            grp = query[0, j * g : (j + 1) * g].reshape(1, 1, g * q, -1)
+            out = F.scaled_dot_product_attention(grp, bk, bv, attn_mask=visible.repeat(g, 1), scale=scaling)
+            outs.append(out.view(1, g, q, -1))
         self.appended[layer] = a + q
         return torch.cat(outs, dim=1)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from ..sekv import compress, describe, layout, scout
-from ..sekv import factorize as fz
 from ..sekv.host_copies import HostArena
 from ..sekv.memory import ZoomMemory
 from ..sekv.params import ABLATIONS, SekvParams
@@ -22,6 +21,10 @@ class SekvMethod(CacheMethod):
     needs_scores = ("obs_queries", "lex_terms")
     ablations = ABLATIONS
 
+    def needs(self, params: SekvParams) -> tuple[str, ...]:
+        """With the KVzip prior (sekv/prior.py), also the reconstruction prompts kvzip reads."""
+        return self.needs_scores + (("kvzip_prompts",) if params.prior == "kvzip" else ())
+
     def obs_window(self, params: SekvParams) -> int:
         return scout.PROFILE_QUERIES
 
@@ -31,9 +34,9 @@ class SekvMethod(CacheMethod):
 
     def compress(self, prefill: PrefillResult, params: SekvParams):
         arena, self._arena = getattr(self, "_arena", None), None
-        # many small tensor ops: intra-op threads cost more than they give on a small CPU
-        with fz.single_thread():
-            return compress.compress(prefill, params, arena.take() if arena is not None else None)
+        # compress_windows runs its many small tensor ops on one thread (intra-op threads cost more than they give
+        # on a small CPU); the KVzip prior's model forwards keep the prefill's threads
+        return compress.compress(prefill, params, arena.take() if arena is not None else None)
 
     def compress_windows(self, windows, params: SekvParams):
         arena, self._arena = getattr(self, "_arena", None), None

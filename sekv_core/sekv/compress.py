@@ -2,7 +2,8 @@
 
 surprisal -> anchors + spans (sekv/segment.py) -> coarse means (sekv/summarize.py) -> per-span SVD factors of
 pre-RoPE keys and of values (sekv/factorize.py, sekv/rope.py), coded 4-bit (sekv/codec.py) -> router W, norms, tau
-(sekv/router.py) and the scout's document profile and word terms (sekv/scout.py, sekv/lexical.py).  Runs on the
+(sekv/router.py) and the scout's document profile, word terms and optional KVzip prior (sekv/scout.py, sekv/lexical.py,
+sekv/prior.py).  Runs on the
 prefill's device; only the results move to the host (sekv/host_copies.py).  A document prefilled in windows
 (sekv_core/windows.py) is compressed a window at a time (:func:`compress_window`) and merged (sekv/merge.py).
 """
@@ -14,7 +15,7 @@ import torch
 from ..methods.base import ModelShape, PrefillResult
 from . import codec
 from . import factorize as fz
-from . import layout, merge, rope, router, router_file, scout
+from . import layout, merge, prior, rope, router, router_file, scout
 from .host_copies import HostCopies, to_host
 from .params import SekvParams
 from .segment import Segmentation, auto_lengths, fixed_segment, segment, zoom_blocks
@@ -99,6 +100,8 @@ def compress_windows(windows, params: SekvParams, arena: torch.Tensor | None = N
             lex = prefill.scores["lex_terms"]
         with fz.single_thread():  # many small tensor ops: intra-op threads cost more than they give (the prefill keeps them)
             piece = compress_window(prefill, params, trained, arena if not pieces else None)
+        if params.prior == "kvzip":  # KVzip's reconstruction passes: model forwards, with the prefill's threads
+            piece.tensors["prior.kvzip"] = prior.window_prior(prefill, params.layout_budget)
         m = [piece.tensors.pop(f"moment.{li}") for li in range(prefill.shape.n_layers)]  # summed as they come
         moments = m if not moments else [a + b for a, b in zip(moments, m)]
         pieces.append(piece)

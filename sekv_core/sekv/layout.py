@@ -12,6 +12,8 @@
   scout.profile [S] float32, scout.profile_blocks [B] float32, scout.profile_unit [1] int64: the document end's
                    span / zoom-block profile (sekv/scout.py)
   lex.terms [N] int32: the tokens' word terms (sekv/lexical.py)
+  prior.kvzip [N] float32 in [0, 1]: with prior "kvzip", the share of (layer, KV head) pairs KVzip would keep of
+                   each token (sekv/prior.py)
   fk.l.* / fv.l.*  key / value factors (sekv/factorize.py); with factor_bits 4 coded at rest (sekv/codec.py,
                    factor_codec [4-5] int64, + factor_codec.fv where the values' code differs), decoded to int8 at open
   factor_segments [K+1] int64: a pack `sekv add` extended, its coded factors in K segments of spans (sekv/codec.py)
@@ -144,6 +146,7 @@ def validate(store, shape, n_tokens: int) -> None:
         T("sekv.scout.profile_blocks", f32, ("B",), optional=True, finite=True),
         T("sekv.scout.profile_unit", ("int64",), (1,), optional=True, values=(0, N)),
         T(codec.SEGMENTS, ("int64",), ("K1",), optional=True, values=(0, N), increasing=True),
+        T("sekv.prior.kvzip", f32, ("N",), optional=True, finite=True, values=(0, 1)),
         *(T(f"sekv.{k}.{{l}}.rank", ("int16",), ("Hkv", "S"), values=(0, shape.head_dim)) for k in ("fk", "fv")),
     ], dims, L)
     if dims["Hw"] not in (shape.n_heads, shape.n_kv_heads) or not 1 <= dims["dr"] <= 4096:

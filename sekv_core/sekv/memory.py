@@ -11,6 +11,7 @@ import torch
 
 from ..methods.base import KVMemory, ModelShape, StepStats
 from . import factorize as fz
+from . import prior
 from .budget import ZoomLedger
 from .cpu_step import CpuStep
 from .gpu_step import BatchedStep
@@ -35,6 +36,10 @@ class ZoomMemory(KVMemory):
             self.ranking = Ranking("scout", res.n_blocks, res.device)
         else:
             self.ranking = None
+        #: the scout's KVzip prior per zoom block, z-scored (sekv/prior.py); None: the pack has none
+        self.prior = None
+        if prior.TENSOR in res.names and self.ranking is not None and self.ranking.kind == "scout":
+            self.prior = prior.block_prior(store.get(prior.TENSOR), res.block_start, res.block_len, params.prior_pool).to(res.device)
         #: accelerators take the batched step; the CPU the reference step (settable between asks)
         self.batched = res.cuda
         self.step: CpuStep | BatchedStep | None = None
@@ -147,6 +152,7 @@ class ZoomMemory(KVMemory):
             if self.params.lexical_weight > 0 and question and self.res.lexicon is not None:
                 lex = self.res.lexicon.scores(question).to(self.device)
             self.ranking.finish_pass(self.res.scout_profile, self.params.profile_weight, lex, self.params.lexical_weight)
+            prior.add_to(self.ranking.prio, self.prior, self.params.prior_weight)
         finally:
             self.ranking.end_pass()
             self._scouted = []

@@ -90,6 +90,8 @@ def merge(pieces: list[Piece], moments: list[torch.Tensor], params: SekvParams, 
         out["sekv.rope_scaling"] = torch.tensor([shape.rope_attention_scaling], dtype=torch.float32)
     out["sekv.router.tau"] = torch.full((L, H), params.tau or router.TAU_DEFAULT, dtype=torch.float32)
     out["sekv.scout.profile"] = torch.cat([p.tensors.pop("scout.profile") for p in pieces])
+    if all("prior.kvzip" in p.tensors for p in pieces):  # the scout's KVzip prior (4 bytes a token, sekv/prior.py)
+        out["sekv.prior.kvzip"] = torch.cat([p.tensors.pop("prior.kvzip") for p in pieces])
     if lex_terms is not None:  # the scout's lexical evidence (4 bytes a token)
         out["sekv.lex.terms"] = lex_terms.to(torch.int32).cpu()
     unit = max(0, params.zoom_unit)

@@ -14,6 +14,9 @@ from typing import Any, Mapping
 from ..methods.params import DEFAULT_BUDGET, Params, ask_time
 from .router import D_R
 
+PRIORS = ("none", "kvzip")  # sekv/prior.py
+POOLS = ("mean", "max")
+
 ZOOMS = ("router", "all", "none")
 ROUTINGS = ("scout", "per_layer")
 SEGMENTATIONS = ("surprisal", "fixed")
@@ -71,6 +74,11 @@ class SekvParams(Params):
     # past the window (sekv/positions.py): "spread" keeps the document's gaps between resident units, scaled to fit the
     # window; "packed" puts the resident units at consecutive positions
     reposition: str = ask_time("spread")
+    # "kvzip": KVzip's reconstruction scores computed at ingest (one more pass over the document) and stored as a
+    # per-token prior; the scout adds prior_weight x z(each block's pooled prior) to its ranking (sekv/prior.py)
+    prior: str = "none"
+    prior_weight: float = ask_time(1.0)
+    prior_pool: str = ask_time("mean")  # a block's prior: the mean or the max of its tokens'
 
     def __post_init__(self):
         self._one_of("routing", ROUTINGS)
@@ -83,6 +91,8 @@ class SekvParams(Params):
         self._one_of("factor_bits", (8, 4))
         self._one_of("value_bits", (3, 4))
         self._one_of("scale_bits", (8, 16))
+        self._one_of("prior", PRIORS)
+        self._one_of("prior_pool", POOLS)
         if self.router not in ("auto", "untrained"):  # a router file: recorded absolute, found from any directory
             object.__setattr__(self, "router", str(Path(self.router).expanduser().resolve()))
 
