@@ -73,7 +73,7 @@ class SekvParams(Params):
     lexical_weight: float = ask_time(2.0)
     # past the window (sekv/positions.py): "spread" keeps the document's gaps between resident units, scaled to fit the
     # window; "packed" puts the resident units at consecutive positions
-    reposition: str = ask_time("spread")
+    reposition: str = ask_time("packed")
     # "kvzip": KVzip's reconstruction scores computed at ingest (one more pass over the document) and stored as a
     # per-token prior; the scout adds prior_weight x z(each block's pooled prior) to its ranking (sekv/prior.py)
     prior: str = "none"
