@@ -85,14 +85,18 @@ def shift(x: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
 
 
 def plan_append(n_old: int, n_tokens: int, header_len: int, capacity: int, after: int, carry: int = CARRY_TOKENS) -> list[Window]:
-    """Windows for tokens [n_old, n_tokens) appended to a pack of ``after`` windows (``sekv add``): prefilled on
-    their own, each opened by the header and the ``carry`` tokens before it (the pack's last ones for the first), as
-    :func:`plan`'s windows k >= 1 (numbered on from ``after``); ``capacity`` 0: no limit (one window).  ValueError
-    when the header leaves too little room."""
+    """Windows for tokens [n_old, n_tokens) appended to a pack of ``after`` windows (``sekv add``).  When the whole
+    text fits one window (``capacity`` 0: no limit), one window that carries every pack token after the header: its
+    prefill reads the pack's token ids again, so the added tokens attend to every earlier one, at native positions
+    (their KV is what one prefill of the whole text gives them, as :func:`plan`'s one window).  Otherwise windows
+    each opened by the header and the ``carry`` tokens before it (the pack's last ones for the first), as
+    :func:`plan`'s windows k >= 1 (numbered on from ``after``).  ValueError when the header leaves too little room."""
     if n_tokens <= n_old:
         return []
-    carry = max(0, min(carry, capacity // 4 if capacity else carry))
-    room = capacity - header_len - carry if capacity else n_tokens - n_old
+    if not capacity or n_tokens <= capacity:
+        return [Window(after, after + 1, n_old, n_tokens, n_old - header_len, header_len)]
+    carry = max(0, min(carry, capacity // 4))
+    room = capacity - header_len - carry
     if room < max(1, int(MIN_NEW_SHARE * capacity)):
         raise ValueError(f"a window of {capacity} tokens leaves {room} for the document after its {header_len}-token header "
                          f"and {carry} carried tokens")

@@ -65,9 +65,10 @@ def _per_head(f: fz.Factors, span_len: torch.Tensor, d: int) -> list[dict[str, t
 
 
 def _window_piece(lm, ids: list[int], n_old: int, params: SekvParams, cfg: dict):
-    """The added part as windowed ingest compresses a window at [n_old, n): header + carried tokens + its own part."""
+    """The added part as windowed ingest compresses a window at [n_old, n): header + carried tokens (the pack's
+    document tokens, all of them) + its own part."""
     header = len(lm.tokenizer(prompt.document_header(lm.tokenizer), add_special_tokens=False)["input_ids"])
-    w = windows.Window(1, 2, n_old, len(ids), min(windows.CARRY_TOKENS, n_old - header), header)
+    w = windows.Window(1, 2, n_old, len(ids), n_old - header, header)  # the whole text fits: every pack token carried
     r = prefill_window(lm.model, ids, header, w, with_surprisal=True, capture=("obs_queries",), obs_window=scout.PROFILE_QUERIES)
     p = params.__class__.from_dict(params.to_dict() | {"min_span": cfg["min_span"], "max_span": cfg["max_span"], "window": cfg["window"]}, "sekv")
     return compress.compress_window(r, p)
@@ -165,6 +166,32 @@ def test_sekv_add_twice_in_windows(docs, lm, monkeypatch):
     code, out, err = run("inspect", pack, "--json")
     assert code == 0, err
     assert [q["name"] for q in json.loads(out)["document"]["parts"]] == [q["name"] for q in parts]
+
+
+def test_sekv_add_gives_the_added_tokens_the_kv_of_one_prefill(docs, lm, tiny_qwen):
+    """A pack and added documents that fit the model's window: the added tokens' full-resolution keys and values
+    are plain transformers' KV of one prefill of the joined text (they attend to every pack token, not only the
+    last carried ones), and an ask of the pack reads them."""
+    from transformers import AutoModelForCausalLM
+
+    pack = docs / "p.sekv"
+    ingest(docs / "a.txt", pack, lm=lm, method="sekv", params=EXACT)
+    n_old = read_pack(pack).manifest["n_tokens"]
+    assert n_old > windows.CARRY_TOKENS + 100  # more pack tokens than a carry of the last ones would hold
+    r = add(pack, load_corpus([docs / "b.md", docs / "c.txt"], headings=True), lm=lm)
+    assert r.windows == 1
+    ids = read_pack(pack).manifest["token_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_qwen), dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        o = hf(input_ids=torch.tensor([ids]), use_cache=True)
+    t = _tensors(pack)
+    full = t["sekv.full_idx"].long()
+    mine = torch.nonzero(full >= n_old).flatten()
+    assert mine.numel() > 0
+    for li in range(hf.config.num_hidden_layers):
+        ref_k, ref_v = o.past_key_values.layers[li].keys[0], o.past_key_values.layers[li].values[0]
+        assert torch.allclose(t[f"sekv.full.k.{li}"][:, mine], ref_k[:, full[mine]], atol=1e-4, rtol=1e-4), li
+        assert torch.allclose(t[f"sekv.full.v.{li}"][:, mine], ref_v[:, full[mine]], atol=1e-4, rtol=1e-4), li
 
 
 def test_full_add_continues_the_prefill(docs, lm, tiny_qwen):
@@ -340,15 +367,20 @@ def test_add_takes_folders_with_glob_and_stdin(docs, tiny_qwen):
     assert [q["name"] for q in parts] == ["c.txt", str(docs / "notes" / "x.txt"), "stdin"]
 
 
-@pytest.mark.parametrize("n_old,n,header,cap", [(500, 501, 100, 384), (500, 2000, 100, 384), (130, 900, 120, 512), (500, 900, 100, 0)])
+@pytest.mark.parametrize("n_old,n,header,cap", [(500, 501, 100, 384), (500, 2000, 100, 384), (130, 900, 120, 512), (500, 900, 100, 0),
+                                                 (500, 900, 100, 900)])
 def test_plan_append_windows_continue_the_pack(n_old, n, header, cap):
     plan = windows.plan_append(n_old, n, header, cap, after=3)
     assert plan[0].start == n_old and plan[-1].end == n and all(a.end == b.start for a, b in zip(plan, plan[1:]))
     ids = list(range(n))
+    fits = not cap or n <= cap
     for i, w in enumerate(plan):
         assert w.index == 3 + i and w.count == 3 + len(plan) and w.header == header
         local = w.local_ids(ids, header)
         assert local[:header] == ids[:header] and local[header : header + w.carry] == ids[w.start - w.carry : w.start]
         assert local[-w.n :] == ids[w.start : w.end] and (not cap or len(local) <= cap)
-        assert w.carry == min(windows.CARRY_TOKENS, cap // 4 if cap else windows.CARRY_TOKENS, w.start - header)
+        if fits:  # one window: the whole text, read as one prefill reads it (native positions)
+            assert len(plan) == 1 and local == ids and w.offset == 0
+        else:
+            assert w.carry == min(windows.CARRY_TOKENS, cap // 4, w.start - header)
     assert windows.plan_append(n, n, header, cap, after=1) == []
