@@ -4,9 +4,10 @@ The added documents are one corpus (each under its ``## file: NAME`` line) in a 
 after the pack's closing tag (prompt.document_continuation): the pack's token ids, then theirs.  What each method
 does with them (docs/long-documents.md, "Adding documents"):
 
-* ``sekv``: the added tokens are prefilled on their own, in windows that continue the pack's (windows.plan_append:
-  each opened by the pack's header and the last tokens before it), compressed as windowed ingest compresses a
-  window, and joined to the pack's tensors at their global indices (sekv/append.py); the pack's tensors unchanged.
+* ``sekv``: the added tokens are prefilled in windows that continue the pack's (windows.plan_append: one that
+  re-reads every pack token id when the whole text fits the model's window, else each opened by the pack's header
+  and the last tokens before it), compressed as windowed ingest compresses a window, and joined to the pack's
+  tensors at their global indices (sekv/append.py); the pack's tensors unchanged.
 * ``full``: the prefill continues over the stored KV cache (the added tokens attend to every earlier one): the KV
   of one prefill of the whole text.
 * ``rag``: the added tokens are cut into chunks after the pack's and indexed; the pack's chunks unchanged.
