@@ -243,7 +243,7 @@ def test_ragged_memory_equals_masked_full_attention():
 
 
 def test_ragged_memory_attention_shapes_stay_fixed_between_growths():
-    """Each (layer, KV head) buffer is a multiple of ROW_QUANTUM rows and every forward attends over all of it (the
+    """Each layer's buffer is a multiple of ROW_QUANTUM rows per KV head and every forward attends over all of it (the
     rest masked): 100 single-token steps see the shapes of the first one (kernels that plan per shape re-plan
     only when a buffer grows)."""
     from sekv_core.methods import kvzip

@@ -286,10 +286,9 @@ def select_kept(scores: list[torch.Tensor], k: int, level: str) -> list[list[tor
 # ---------------------------------------------------------------------------- runtime memory
 
 
-#: a (layer, KV head) buffer holds a multiple of this many rows, and every forward attends over the whole buffer with
-#: a mask: one attention shape per buffer until it grows.  With one shape per (layer, head) that grows by a row at
-#: every token, kvzip decoded 0.7-2.6 tok/s on an H200 where snapkv (one shape per token) did 26-29: likely
-#: attention kernels that plan per shape (cuDNN attention on Hopper builds a graph per shape).
+#: a layer's buffer holds a multiple of this many rows per KV head, and every forward attends over the whole buffer
+#: with a mask: one attention shape per layer until its buffer grows.  With a shape that grows by a row at every token
+#: (and one attention call per KV head), kvzip decoded 0.7-2.6 tok/s on an H200 where snapkv did 26-29.
 ROW_QUANTUM = 256
 
 
@@ -300,54 +299,52 @@ def _quantum(rows: int) -> int:
 class RaggedEvictedMemory(KVMemory):
     """Kept document K/V per layer and KV head (counts may differ between heads) + the appended tokens.
 
-    Each (layer, KV head) owns one buffer: its kept rows, then the appended tokens, then zeros up to its capacity
-    (a multiple of ROW_QUANTUM); a forward attends head by head (the head's query group over its whole buffer, the
-    rows past its tokens masked), so attention shapes change only when a buffer grows.
+    Each layer owns one buffer [1, Hkv, capacity, d]: KV head j's kept rows, then the appended tokens, then zeros up
+    to the capacity (a multiple of ROW_QUANTUM); a forward writes the new tokens after each head's own rows and
+    attends once per layer (GQA) over the whole buffer, each head's rows past its tokens masked.
     """
 
     def __init__(self, keys: list[list[torch.Tensor]], values: list[list[torch.Tensor]], n_doc: int, shape: ModelShape,
                  device, extra: int = 256):
         self.shape, self.n_doc = shape, n_doc
         self.kept = [[int(k.shape[0]) for k in layer] for layer in keys]
-        self.bk = [[self._buffer(k, extra, device) for k in layer] for layer in keys]
-        self.bv = [[self._buffer(v, extra, device) for v in layer] for layer in values]
+        self._kept_t = [torch.tensor(layer, device=device) for layer in self.kept]
+        self.bk = [self._buffer(layer, extra, device) for layer in keys]
+        self.bv = [self._buffer(layer, extra, device) for layer in values]
         self.appended = [0] * shape.n_layers
-        self._cols = torch.arange(max(b.shape[2] for layer in self.bk for b in layer), device=device)
+        self._heads = torch.arange(shape.n_kv_heads, device=device).view(-1, 1)
+        self._cols = torch.arange(max(b.shape[2] for b in self.bk), device=device)
 
-    def _buffer(self, t: torch.Tensor, extra: int, device) -> torch.Tensor:
-        buf = torch.zeros(1, 1, _quantum(t.shape[0] + extra), self.shape.head_dim, dtype=self.shape.dtype, device=device)
-        buf[0, 0, : t.shape[0]].copy_(t)
+    def _buffer(self, heads: list[torch.Tensor], extra: int, device) -> torch.Tensor:
+        rows = _quantum(max(t.shape[0] for t in heads) + extra)
+        buf = torch.zeros(1, len(heads), rows, self.shape.head_dim, dtype=self.shape.dtype, device=device)
+        for j, t in enumerate(heads):
+            buf[0, j, : t.shape[0]].copy_(t)
         return buf
 
-    def _fit(self, layer: int, j: int, rows: int) -> None:
-        """Room for ``rows`` rows in the buffers of (layer, KV head j)."""
-        for bufs in (self.bk[layer], self.bv[layer]):
-            buf = bufs[j]
+    def _fit(self, layer: int, rows: int) -> None:
+        """Room for ``rows`` rows per KV head in the layer's buffers."""
+        for bufs in (self.bk, self.bv):
+            buf = bufs[layer]
             if rows > buf.shape[2]:
-                new = buf.new_zeros(1, 1, _quantum(max(2 * buf.shape[2], rows)), buf.shape[3])
+                new = buf.new_zeros(1, buf.shape[1], _quantum(max(2 * buf.shape[2], rows)), buf.shape[3])
                 new[:, :, : buf.shape[2]] = buf
-                bufs[j] = new
-        if self.bk[layer][j].shape[2] > self._cols.numel():
-            self._cols = torch.arange(self.bk[layer][j].shape[2], device=self._cols.device)
+                bufs[layer] = new
+        if self.bk[layer].shape[2] > self._cols.numel():
+            self._cols = torch.arange(self.bk[layer].shape[2], device=self._cols.device)
 
     def attend(self, layer, query, key, value, scaling):
         q, g = query.shape[-2], self.shape.n_heads // self.shape.n_kv_heads
         a = self.appended[layer]
-        rows = torch.arange(q, device=query.device)
-        outs = []
-        for j in range(self.shape.n_kv_heads):
-            end = self.kept[layer][j] + a
-            self._fit(layer, j, end + q)
-            bk, bv = self.bk[layer][j], self.bv[layer][j]
-            bk[0, 0, end : end + q] = key[0, j]
-            bv[0, 0, end : end + q] = value[0, j]
-            visible = self._cols[: bk.shape[2]].view(1, -1) <= (rows + end).view(-1, 1)  # [q, capacity]: causal, no padding
-            # the group's g heads x q tokens as g*q query rows of one head: no GQA kernel needed
-            grp = query[0, j * g : (j + 1) * g].reshape(1, 1, g * q, -1)
-            out = F.scaled_dot_product_attention(grp, bk, bv, attn_mask=visible.repeat(g, 1), scale=scaling)
-            outs.append(out.view(1, g, q, -1))
+        self._fit(layer, max(self.kept[layer]) + a + q)
+        bk, bv = self.bk[layer], self.bv[layer]
+        at = self._kept_t[layer].view(-1, 1) + a + torch.arange(q, device=query.device)  # [Hkv, q]: each head's new rows
+        bk[0, self._heads, at] = key[0]
+        bv[0, self._heads, at] = value[0]
+        visible = self._cols[: bk.shape[2]].view(1, 1, -1) <= at.unsqueeze(-1)  # [Hkv, q, capacity]: causal, no padding
+        mask = visible.repeat_interleave(g, dim=0).unsqueeze(0)  # [1, H, q, capacity]
         self.appended[layer] = a + q
-        return torch.cat(outs, dim=1)
+        return F.scaled_dot_product_attention(query, bk, bv, attn_mask=mask, scale=scaling, enable_gqa=True)
 
     def n_tokens(self) -> int:
         return self.n_doc + self.appended[-1]
