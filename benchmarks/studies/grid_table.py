@@ -4,7 +4,7 @@ points per task and budget (the target: >= 0 everywhere, >= +10 at 5 % and 10 % 
 
     python -m benchmarks.studies.grid_table docs/bench/grid-niah-h200 docs/bench/grid-qa-h200 ... [--methods a,b]
 
-Reads results.jsonl only (failed cells, rows with "error", are left out and counted).  compress s is the mean
+Reads results.jsonl (or results.jsonl.gz, as the H200 grid is kept in docs/bench/grid-h200) only (failed cells, rows with "error", are left out and counted).  compress s is the mean
 over contexts of compress_s; compress / prefill the mean of compress_s / prefill_s, where prefill_s is the bench's
 shared prefill, which also records what every method's scores need (surprisal, observation queries, H2O's attention
 mass ...), so it is slower than a plain prefill; TTFT the mean over answers; decode tok/s the generated tokens over
@@ -14,6 +14,7 @@ the decode seconds, summed over answers.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -22,18 +23,31 @@ from statistics import mean
 ORDER = ["full", "sekv", "kvzip", "snapkv", "streamingllm", "sentencekv", "depthweave", "rag"]
 
 
-def load(dirs: list[str]) -> tuple[list[dict], int]:
+def load(dirs: list[str], complete: bool = False) -> tuple[list[dict], int]:
+    """Successful rows and the count of failed ones; complete: only the questions every (method, budget) of their task
+    answered or refused (a grid cut by time leaves some questions with a subset of methods, which would compare
+    methods on different questions)."""
     rows, failed = [], 0
     for d in dirs:
-        for line in (Path(d) / "results.jsonl").read_text().splitlines():
+        f = Path(d) / "results.jsonl"
+        text = f.read_text() if f.is_file() else gzip.decompress((Path(d) / "results.jsonl.gz").read_bytes()).decode()
+        for line in text.splitlines():
             if not line.strip():
                 continue
             r = json.loads(line)
-            if r.get("error"):
-                failed += 1
-            else:
-                rows.append(r)
-    return rows, failed
+            rows.append(r)
+    if complete:
+        pairs, seen = defaultdict(set), defaultdict(set)
+        for r in rows:
+            pairs[r["task"]].add((r["method"], r.get("budget")))
+            seen[_question(r)].add((r["method"], r.get("budget")))
+        rows = [r for r in rows if seen[_question(r)] >= pairs[r["task"]]]
+    ok = [r for r in rows if not r.get("error")]
+    return ok, len(rows) - len(ok)
+
+
+def _question(r: dict) -> tuple:
+    return (r["task"], r.get("length"), r.get("depth"), r.get("seed"), r.get("item"))
 
 
 def task_label(r: dict) -> str:
@@ -49,6 +63,25 @@ def _rate(rs: list[dict]) -> str:
     toks = sum(r.get("generated_tokens") or 0 for r in rs)
     secs = sum(r.get("decode_s") or 0 for r in rs)
     return f"{toks / secs:.1f}" if secs > 0 else "–"
+
+
+def accuracy(rows: list[dict], methods: list[str] | None = None) -> str:
+    """One matrix: task x budget rows, method columns, correct / asked (full's column repeats its one row)."""
+    by = defaultdict(list)
+    for r in rows:
+        by[(task_label(r), r["method"], r.get("budget"))].append(r)
+    present = {k[1] for k in by}
+    order = [m for m in (methods or ORDER) if m in present] + sorted(present - set(methods or ORDER))
+    budgets = sorted({k[2] for k in by if k[2] is not None})
+    out = ["| task | budget | " + " | ".join(order) + " |", "|---|---|" + "---|" * len(order)]
+    for t in sorted({k[0] for k in by}):
+        for b in budgets:
+            cells = []
+            for m in order:
+                rs = by.get((t, m, None if m == "full" else b))
+                cells.append(f"{sum(bool(r['correct']) for r in rs)}/{len(rs)}" if rs else "–")
+            out.append(f"| {t} | {b:g} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
 
 
 def tables(rows: list[dict], methods: list[str] | None = None) -> str:
@@ -96,9 +129,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dirs", nargs="+")
     ap.add_argument("--methods", default="", help="comma-separated order of methods (default: the grid's)")
+    ap.add_argument("--complete", action="store_true", help="only questions that every (method, budget) of their task reached")
+    ap.add_argument("--accuracy", action="store_true", help="one accuracy matrix (task x budget, method columns) instead of the tables")
     a = ap.parse_args(argv)
-    rows, failed = load(a.dirs)
-    print(tables(rows, [m for m in a.methods.split(",") if m] or None))
+    rows, failed = load(a.dirs, a.complete)
+    methods = [m for m in a.methods.split(",") if m] or None
+    print(accuracy(rows, methods) if a.accuracy else tables(rows, methods))
     if failed:
         print(f"({failed} failed cells left out)")
 
