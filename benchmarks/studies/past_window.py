@@ -64,7 +64,7 @@ class Probe:
         def choose(step, layer, query):
             keep, expanded = probe._orig_choose(step, layer, query)
             if step.ranking is not None and step.ranking.ranks() and len(probe.keeps) < step.res.shape.n_layers:
-                probe.keeps.append(keep.clone())
+                probe.keeps.append(keep.cpu())
             return keep, expanded
 
         scout.Ranking.finish_pass, cpu_step.CpuStep._choose = finish, choose
@@ -85,7 +85,8 @@ def sekv_cell(lm, mem, q_ids, probe_q, needle: tuple[int, int], layout: bool, st
     """One sekv ask; layout: re-positioned with the question at the model's window - reserve, as past the window."""
     res = mem.res
     n0, n1 = needle
-    blocks = ((res.block_start < n1) & (res.block_start + res.block_len > n0)).nonzero().flatten()
+    bs, bl = res.block_start.cpu(), res.block_len.cpu()
+    blocks = ((bs < n1) & (bs + bl > n0)).nonzero().flatten()
     reserve = len(q_ids) + max_new
     if layout:
         window = models.context_window(lm.config)
@@ -107,7 +108,7 @@ def sekv_cell(lm, mem, q_ids, probe_q, needle: tuple[int, int], layout: bool, st
     ranks["final"] = rank_of(final, blocks)
     zoomed = [bool(k[:, blocks].any()) for k in p.keeps]
     full_cover = [bool(k[:, blocks].all()) for k in p.keeps]
-    kept_tokens = int((p.keeps[0].any(0).long() * res.block_len).sum()) if p.keeps else 0
+    kept_tokens = int((p.keeps[0].any(0).long() * bl).sum()) if p.keeps else 0
     stats = mem.step_stats().extra
     return {
         "answer": answer, "correct": bool(scoring.score(answer, probe_q)[0]),
@@ -134,10 +135,11 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="model dtype (bfloat16: the H200's)")
     ap.add_argument("--batched", action="store_true", help="sekv asks through the batched step and its static single-token path")
     ap.add_argument("--param", action="append", default=[], help="sekv parameter KEY=VALUE")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the model, the prefill and the opened memories)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    lm = models.load(a.model, device="cpu", dtype=getattr(torch, a.dtype) if a.dtype else None)
+    lm = models.load(a.model, device=a.device, dtype=getattr(torch, a.dtype) if a.dtype else None)
     tok = lm.tokenizer
     shape = ModelShape.of(lm.config, next(lm.model.parameters()).dtype)
     stop_ids = prompt.stop_token_ids(tok, getattr(lm.model, "generation_config", None))
@@ -189,11 +191,11 @@ def main() -> None:
                 if v in ("rag", "full"):
                     if v == "full":
                         mem = full.open(DictStore({k: x.cpu() for k, x in full.compress(one, full.resolve_params({})).items()}),
-                                        full.resolve_params({}), shape, "cpu")
+                                        full.resolve_params({}), shape, a.device)
                     else:
                         rp = rag.resolve_params({"budget": a.budget})
                         made = rag.compress(PrefillResult.without_kv(torch.tensor(ids), shape, text_sc, lm), rp)
-                        mem = rag.open(DictStore({k: x.cpu() for k, x in made.items()}), rp, shape, "cpu")
+                        mem = rag.open(DictStore({k: x.cpu() for k, x in made.items()}), rp, shape, a.device)
                     ans, _ = generate(lm.model, mem, q_ids, max_new_tokens=pq.max_new_tokens, stop_ids=stop_ids, question=pq.question)
                     answer = tok.decode(ans, skip_special_tokens=True).strip()
                     row["cells"][v] = {"answer": answer, "correct": bool(scoring.score(answer, pq)[0])}
@@ -203,7 +205,7 @@ def main() -> None:
                     carry = int(rest.split("/c")[1]) if "/c" in rest else windows.CARRY_TOKENS
                     key = "one" if kind == "one" else f"win/c{carry}"
                     p_v = params.replace(reposition=how) if how else params
-                    mem = sekv.open(DictStore(dict(packs[key])), p_v, shape, "cpu")
+                    mem = sekv.open(DictStore(dict(packs[key])), p_v, shape, a.device)
                     row["cells"][v] = sekv_cell(lm, mem, q_ids, pq, needle, rest.startswith("rp"), stop_ids, pq.max_new_tokens, a.batched)
                 c = row["cells"][v]
                 print(f"{a.length} d{depth:g} s{seed} {v:12s} {'Y' if c['correct'] else 'n'} {c['answer'][:28]!r:32s}"
