@@ -474,6 +474,17 @@ def sample_docs_dir() -> Path:
     return Path(sekv_core.__file__).resolve().parents[1] / "sample_docs"
 
 
+def _joined_lines(markdown: str) -> list[str]:
+    """The lines of a questions file, each wrapped note line joined onto its bullet."""
+    lines: list[str] = []
+    for line in markdown.splitlines():
+        if lines and line.startswith("  ") and line.strip() and lines[-1].lstrip().startswith("- "):
+            lines[-1] += " " + line.strip()
+        else:
+            lines.append(line)
+    return lines
+
+
 def parse_questions(markdown: str) -> list[tuple[str, int, str, list[str]]]:
     """(document file, question number, question, accepted answers) from QUESTIONS.md.
 
@@ -483,13 +494,7 @@ def parse_questions(markdown: str) -> list[tuple[str, int, str, list[str]]]:
     out: list[tuple[str, int, str, list[str]]] = []
     doc = None
     index: dict[tuple[str, int], list[str]] = {}
-    lines: list[str] = []
-    for line in markdown.splitlines():  # join wrapped note lines onto their bullet
-        if lines and line.startswith("  ") and line.strip() and lines[-1].lstrip().startswith("- "):
-            lines[-1] += " " + line.strip()
-        else:
-            lines.append(line)
-    for line in lines:
+    for line in _joined_lines(markdown):
         h = re.match(r"^##\s+(\S+)", line)
         if h:
             doc = h.group(1)
@@ -579,13 +584,7 @@ def parse_long_questions(markdown: str) -> list[LongQuestion]:
     """The rows ``| # | question | expected answer | offset | depth % | evidence |`` of long_doc_questions.md, plus every
     quoted string a note ``- Qn: accept "X"`` names.  In the evidence ``⏎`` stands for a line break."""
     rows: dict[int, LongQuestion] = {}
-    lines: list[str] = []
-    for line in markdown.splitlines():  # join wrapped note lines onto their bullet (as parse_questions does)
-        if lines and line.startswith("  ") and line.strip() and lines[-1].lstrip().startswith("- "):
-            lines[-1] += " " + line.strip()
-        else:
-            lines.append(line)
-    for line in lines:
+    for line in _joined_lines(markdown):
         c = _cells(line) if line.lstrip().startswith("|") else []
         if len(c) >= 6 and c[0].isdigit():
             try:
