@@ -17,7 +17,8 @@ from .common import DeviceMapOpt, DeviceOpt, MaxMemoryOpt, ModelOpt, placement, 
 from .display import err
 
 TASK_HELP = (
-    "niah, mk_niah, mn_niah, mv_niah, vt, cwe, qa; `ruler` = mk_niah,mv_niah,vt,cwe; `all`; comma-separated. "
+    "niah, mk_niah, mn_niah, mv_niah, vt, cwe, qa, qa_heldout, qa_long (one long document: --doc-file); "
+    "`ruler` = mk_niah,mv_niah,vt,cwe; `all` (without qa_long); comma-separated. "
     "`report` re-writes summary.md and the plots of the directory given next (or --out)"
 )
 
@@ -132,6 +133,8 @@ def bench(
     limit: int = typer.Option(None, "--limit", min=1, help="at most N questions per task (a quick run)"),
     haystack: Path = typer.Option(None, "--haystack", help="folder of .txt files for the NIAH haystack (default: $SEKV_HAYSTACK or shared/data/haystack/pg_essays)"),
     max_new_tokens: int = typer.Option(None, "--max-new-tokens", "-n", min=1, help="answer length cap (default: per task, 24-48)"),
+    doc_file: Path = typer.Option(None, "--doc-file", help="qa_long's document (default: $SEKV_LONG_DOC; make it with "
+                                  "`python -m benchmarks.long_doc fetch --out DIR`)"),
     device: str = DeviceOpt,
     device_map: str = DeviceMapOpt,
     max_memory: str = MaxMemoryOpt,
@@ -163,6 +166,7 @@ def bench(
         limit=limit,
         haystack=haystack,
         max_new_tokens=max_new_tokens,
+        doc_file=doc_file,
     )
     if any(not 0 < b <= 1 for b in cfg.budgets):
         raise SekvError("--budgets must lie in (0, 1]: fractions of the full KV cache")
@@ -170,6 +174,8 @@ def bench(
         raise SekvError("--depths must lie in [0, 100] (percent)")
     if any(t in tasks.HAYSTACK_TASKS for t in cfg.tasks):
         tasks.load_haystack(haystack)  # fail on a missing haystack before loading the model
+    if any(t in tasks.LONG_TASKS for t in cfg.tasks):
+        tasks.long_doc_path(doc_file)  # and on a missing document
 
     from .display import model_progress
 

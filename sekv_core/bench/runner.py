@@ -67,6 +67,7 @@ class BenchConfig:
     limit: int | None = None  # at most this many questions per task
     haystack: Path | None = None
     max_new_tokens: int | None = None  # overrides each task's default
+    doc_file: Path | None = None  # qa_long's document (default: $SEKV_LONG_DOC)
 
 
 @dataclass
@@ -179,7 +180,8 @@ def plan_contexts(tokenizer, cfg: BenchConfig) -> list[tasks.Context]:
     out: list[tasks.Context] = []
     for t in cfg.tasks:
         left = cfg.limit
-        for ctx in tasks.generate(t, tokenizer, lengths=cfg.lengths, depths=cfg.depths, seed=cfg.seed, essays=essays):
+        for ctx in tasks.generate(t, tokenizer, lengths=cfg.lengths, depths=cfg.depths, seed=cfg.seed, essays=essays,
+                                  doc_file=cfg.doc_file):
             if left is not None:
                 ctx.probes = ctx.probes[:left]
                 left -= len(ctx.probes)
@@ -256,6 +258,9 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
 
     reporter.stage("generating tasks")
     contexts = plan_contexts(tok, cfg)
+    for ctx in contexts:
+        if ctx.meta.get("note"):  # e.g. qa_long on a document cut short
+            reporter.warn(ctx.meta["note"])
     q_ids: dict[int, list[list[int]]] = {}
     for ci, ctx in enumerate(contexts):
         q_ids[ci] = [prompt.encode(tok, prompt.question_suffix(tok, p.question)) for p in ctx.probes]

@@ -18,6 +18,9 @@ that is prefilled once, and one or more :class:`Probe` questions asked of it.
               are frequent; name the most frequent ones.
 * ``qa``      the sample documents' questions (``sample_docs/QUESTIONS.md``); ``qa_heldout`` more of
               them (``sample_docs/QUESTIONS_HELDOUT.md``), not used to choose any default.
+* ``qa_long`` one long real document (the GNU Bash Reference Manual, ~93K tokens, made by
+              ``python -m benchmarks.long_doc fetch``; ``--doc-file`` or ``$SEKV_LONG_DOC``) as ONE context,
+              with the questions of ``benchmarks/long_doc_questions.md`` spread over its length.
 
 Lengths are in model tokens of the whole document prefix (``prompt.document_prefix``,
 system prompt and chat template included); the haystack is cut to the whole sentences
@@ -471,6 +474,17 @@ def sample_docs_dir() -> Path:
     return Path(sekv_core.__file__).resolve().parents[1] / "sample_docs"
 
 
+def _joined_lines(markdown: str) -> list[str]:
+    """The lines of a questions file, each wrapped note line joined onto its bullet."""
+    lines: list[str] = []
+    for line in markdown.splitlines():
+        if lines and line.startswith("  ") and line.strip() and lines[-1].lstrip().startswith("- "):
+            lines[-1] += " " + line.strip()
+        else:
+            lines.append(line)
+    return lines
+
+
 def parse_questions(markdown: str) -> list[tuple[str, int, str, list[str]]]:
     """(document file, question number, question, accepted answers) from QUESTIONS.md.
 
@@ -480,13 +494,7 @@ def parse_questions(markdown: str) -> list[tuple[str, int, str, list[str]]]:
     out: list[tuple[str, int, str, list[str]]] = []
     doc = None
     index: dict[tuple[str, int], list[str]] = {}
-    lines: list[str] = []
-    for line in markdown.splitlines():  # join wrapped note lines onto their bullet
-        if lines and line.startswith("  ") and line.strip() and lines[-1].lstrip().startswith("- "):
-            lines[-1] += " " + line.strip()
-        else:
-            lines.append(line)
-    for line in lines:
+    for line in _joined_lines(markdown):
         h = re.match(r"^##\s+(\S+)", line)
         if h:
             doc = h.group(1)
@@ -526,6 +534,116 @@ def gen_qa(tokenizer, seed: int, questions: str = "QUESTIONS.md", task: str = "q
 
 
 # ---------------------------------------------------------------------------------------------
+# qa_long: one long real document, not in the repository
+
+
+LONG_DOC_ENV = "SEKV_LONG_DOC"
+LONG_DOC_MAKE = "make it with `python -m benchmarks.long_doc fetch --out DIR`"
+
+
+def long_questions_file() -> Path:
+    import sekv_core
+
+    return Path(sekv_core.__file__).resolve().parents[1] / "benchmarks" / "long_doc_questions.md"
+
+
+@dataclass(frozen=True)
+class LongQuestion:
+    """One question of benchmarks/long_doc_questions.md."""
+
+    number: int
+    question: str
+    answers: list[str]  # the expected answer, then the accepted alternatives
+    offset: int  # character offset of the evidence in the document
+    depth: float  # percent of the document's tokens before the evidence (qwen2.5-0.5b's tokenizer)
+    evidence: str  # verbatim text of the document at `offset` that holds the answer
+
+
+def _cells(line: str) -> list[str]:
+    """A Markdown table row's cells; ``\\|`` is a literal pipe inside a cell."""
+    cells, cur, i = [], [], 0
+    body = line.strip()
+    body = body[1:] if body.startswith("|") else body
+    while i < len(body):
+        if body.startswith("\\|", i):
+            cur.append("|")
+            i += 2
+        elif body[i] == "|":
+            cells.append("".join(cur).strip())
+            cur = []
+            i += 1
+        else:
+            cur.append(body[i])
+            i += 1
+    if "".join(cur).strip():
+        cells.append("".join(cur).strip())
+    return cells
+
+
+def parse_long_questions(markdown: str) -> list[LongQuestion]:
+    """The rows ``| # | question | expected answer | offset | depth % | evidence |`` of long_doc_questions.md, plus every
+    quoted string a note ``- Qn: accept "X"`` names.  In the evidence ``⏎`` stands for a line break."""
+    rows: dict[int, LongQuestion] = {}
+    for line in _joined_lines(markdown):
+        c = _cells(line) if line.lstrip().startswith("|") else []
+        if len(c) >= 6 and c[0].isdigit():
+            try:
+                offset, depth = int(c[3].replace(",", "")), float(c[4].rstrip("% "))
+            except ValueError:
+                raise SekvError(f"long_doc_questions.md: question {c[0]}: offset '{c[3]}' or depth '{c[4]}' is not a number") from None
+            evidence = re.sub(r"[ \t]*⏎[ \t]*", "\n", c[5])
+            rows[int(c[0])] = LongQuestion(int(c[0]), c[1], [c[2]], offset, depth, evidence)
+            continue
+        note = re.match(r"^-\s*Q(\d+):(.*)", line)
+        if note and int(note.group(1)) in rows:
+            answers = rows[int(note.group(1))].answers
+            answers += [a for a in re.findall(r'accept\s+"([^"]+)"', note.group(2)) if a not in answers]
+    return [rows[n] for n in sorted(rows)]
+
+
+def long_doc_path(doc_file: str | Path | None = None) -> Path:
+    """qa_long's document: doc_file, else $SEKV_LONG_DOC; a one-line SekvError when neither names a file."""
+    given = doc_file or os.environ.get(LONG_DOC_ENV)
+    if not given:
+        raise SekvError(f"qa_long needs its document: pass --doc-file FILE or set {LONG_DOC_ENV} ({LONG_DOC_MAKE})")
+    path = Path(given).expanduser()
+    if not path.is_file():
+        raise SekvError(f"qa_long's document {path} not found ({LONG_DOC_MAKE})")
+    return path
+
+
+def gen_long_qa(tokenizer, seed: int, doc_file: str | Path | None = None, task: str = "qa_long") -> Context:
+    """The whole document as one context, every question of long_doc_questions.md asked of it.
+
+    Each question's evidence must be at its recorded offset (else the file is not the document the questions were
+    written for: a one-line error).  A document cut short (for a small run) keeps the questions whose evidence lies in
+    it; the context's meta says how many were left out."""
+    from ..documents import load_document
+
+    path = long_doc_path(doc_file)
+    text = load_document(path).text
+    qfile = long_questions_file()
+    if not qfile.is_file():
+        raise SekvError(f"{qfile} not found: qa_long needs the repository's benchmarks/")
+    probes, left_out = [], 0
+    for q in parse_long_questions(qfile.read_text(encoding="utf-8")):
+        if q.offset + len(q.evidence) > len(text):
+            left_out += 1
+            continue
+        if text[q.offset : q.offset + len(q.evidence)] != q.evidence:
+            raise SekvError(f"{path}: question {q.number}'s evidence is not at character {q.offset}: not the document "
+                            f"{qfile.name} was written for ({LONG_DOC_MAKE})")
+        probes.append(Probe(f"Q{q.number}@{q.depth:.0f}%", q.question, q.answers, whole_word=True, max_new_tokens=32))
+    if not probes:
+        raise SekvError(f"{path}: it ends before the evidence of every question in {qfile.name} ({LONG_DOC_MAKE})")
+    n = len(prompt.encode(tokenizer, prompt.document_prefix(tokenizer, text)))
+    meta = {"document": path.name, "questions": len(probes), "left_out": left_out}
+    if left_out:
+        meta["note"] = f"{path.name} is cut short: {left_out} of {left_out + len(probes)} questions left out"
+    return Context(task, n, None, seed, text, probes, n, meta)
+
+
+# ---------------------------------------------------------------------------------------------
 # registry
 
 
@@ -544,7 +662,9 @@ GROUPS = {"ruler": ["mk_niah", "mv_niah", "vt", "cwe"], "all": ["niah", "mk_niah
 #: the sample documents' question files: `qa` (the README's and QUESTIONS.md's), `qa_heldout` (questions written
 #: after sekv's scout defaults were chosen on `qa`, to check them on questions they were not tuned on)
 QA_TASKS = {"qa": "QUESTIONS.md", "qa_heldout": "QUESTIONS_HELDOUT.md"}
-TASK_NAMES = [*GRID_TASKS, *QA_TASKS]
+#: one long document given at run time (not part of `all`: its document is not in the repository)
+LONG_TASKS = ("qa_long",)
+TASK_NAMES = [*GRID_TASKS, *QA_TASKS, *LONG_TASKS]
 
 
 def expand_tasks(spec: str) -> list[str]:
@@ -573,8 +693,11 @@ def generate(
     seed: int,
     haystack: str | Path | None = None,
     essays: list[list[str]] | None = None,
+    doc_file: str | Path | None = None,
 ) -> list[Context]:
     """Every context of one task, in grid order (length-major, then depth)."""
+    if task in LONG_TASKS:
+        return [gen_long_qa(tokenizer, seed, doc_file, task)]
     if task in QA_TASKS:
         return gen_qa(tokenizer, seed, QA_TASKS[task], task)
     gen = GRID_TASKS.get(task)
