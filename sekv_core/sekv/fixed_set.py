@@ -199,7 +199,8 @@ class FixedSets:
         dev = query.device
         if fresh:
             if self.mask[layer] is None or self.mask[layer].shape[-1] != cap + ug:
-                self.mask[layer] = torch.empty(1, h, 1, cap + ug, dtype=query.dtype, device=dev)
+                # each head's row starts 16-aligned: the memory-efficient kernel takes it as is (else it pads a copy per call)
+                self.mask[layer] = torch.empty(1, h, 1, -(-(cap + ug) // 16) * 16, dtype=query.dtype, device=dev)[..., : cap + ug]
             plan = getattr(self, "_plan_cache", (None, {}))[1]
             mk = plan.get("mask") if plan.get("expanded") is expanded else None
             if mk is None or mk[0] != (cap, ug, lim) or torch.is_tensor(lim):  # the same for every layer of a plan
@@ -225,4 +226,22 @@ class FixedSets:
         if q > 1:  # causal among the new tokens
             mask = mask.expand(1, h, q, cap + ug).clone()
             mask[0, :, :, lim - q : lim] += torch.full((q, q), float("-inf"), device=dev).triu(1).to(mask.dtype)
-        return F.scaled_dot_product_attention(query, jk, jv, attn_mask=mask, scale=scaling, enable_gqa=jk.shape[1] != h)
+        return grouped_attention(query, jk, jv, mask, scaling)
+
+
+def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    """SDPA of query [1, H, q, d] over keys / values [1, Hkv, T, d] under an additive mask [1, H, q | 1, T], each
+    query head on its KV group (head h on group h // (H / Hkv)), as ``enable_gqa=True`` would -> [1, H, q, d].
+
+    A group's heads are stacked along the query axis ([1, Hkv, G q, d], the mask likewise), so SDPA sees plain
+    multi-head attention: on CUDA a masked GQA call has no fused kernel and falls back to the math one (K/V repeated
+    per head, the scores materialised in float32, a dozen launches), while masked multi-head attention runs the
+    memory-efficient kernel, inside a captured graph too."""
+    _, h, q, d = query.shape
+    hkv, t = keys.shape[1], keys.shape[2]
+    g = h // hkv
+    if g == 1:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
+    qg = query.reshape(1, hkv, g * q, d)
+    mg = mask.expand(1, h, q, t).reshape(1, hkv, g * q, t)
+    return F.scaled_dot_product_attention(qg, keys, values, attn_mask=mg, scale=scaling).reshape(1, h, q, d)
