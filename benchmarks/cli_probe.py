@@ -110,6 +110,11 @@ def _install() -> None:
     wrap(pack, "_hash_from", "pack_read.sha256")
     wrap(session, "check_model", "check_model")
     wrap(gs.GraphedStep, "_eager_then_capture", "graph_capture")
+    import sekv_core.sekv.gpu_step as gpu_step
+
+    # the batched step's construction (each layer's factor blocks decoded and laid out in pinned memory): one-off,
+    # inside the first question's scout pass
+    wrap(gpu_step.BatchedStep, "__init__", "sekv_step_build")
 
     def note_ingest(r) -> None:
         RECORD["ingest"] = {k: getattr(r, k) for k in ("n_tokens", "prefill_s", "compress_s", "write_s", "total_s", "pack_bytes", "raw_kv_fp16_bytes") if hasattr(r, k)}
