@@ -33,6 +33,7 @@ class FixedSets:
         self.filled_for: list = [None] * L  # per layer: the key() its set was filled for
         self.mask: list = [None] * L  # per layer: [1, H, 1, capacity + rows] (a step only unmasks its own token)
         self.reused_now = [False] * L
+        self._folded_for = None  # the key whose first fill folded every layer's reuses
         # what each layer's fill recorded, added to the ledger once per reuse (reuses counts them)
         self.reuses = torch.zeros(L, dtype=torch.long, device=dev)
         self.spans = torch.zeros(L, S, dtype=torch.bool, device=dev)
@@ -57,6 +58,7 @@ class FixedSets:
         self.n = [torch.zeros(self.hkv, dtype=torch.long, device=dev) for _ in range(L)]
         self.filled_for = [None] * L
         self.mask = [None] * L
+        self._folded_for = None
         #: re-positioned: each layer's base entries' slots under its set
         self.base_slots = [torch.zeros(self.hkv, r.n_base, dtype=torch.long, device=dev) for _ in range(L)]
 
@@ -100,7 +102,9 @@ class FixedSets:
         if reuse:
             self.reuses[layer].add_(1)
             return self._joint_attention(layer, query, scaling, lim, fresh=False)
-        self._fold(layer)  # before its recorded stats are replaced
+        if self._folded_for != key:  # before any layer's recorded stats are replaced: every layer at the key's first
+            self._fold()  # fill, one fold for all (a layer that fills later for this key cannot have been reused since)
+            self._folded_for = key
         plan = self._plan(key, r.kv.annex_kv(layer)[0].shape[-2], query.shape[1])
         words = self._fill(layer, plan)
         self.spans[layer].copy_(plan["keep_s"].any(0))
