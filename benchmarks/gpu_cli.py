@@ -231,6 +231,7 @@ def summarize(rec: dict) -> dict:
         "open_s": g("session_open") - g("model_load") - g("pack_read") - g("check_model"),
         "scout_s": a0.get("scout_s"),
         "step_build_s": g("sekv_step_build"),  # within the first scout
+        "fixed_sdpa": ap.get("fixed_sdpa", "gqa"),  # $SEKV_PROBE_FIXED_SDPA
         "ttft_s": st.get("ttft_s", (js.get("timings") or {}).get("ttft_s")),
         "tok_per_s": st.get("tokens_per_s", (js.get("timings") or {}).get("tokens_per_s")),
         "generated": st.get("generated_tokens"),

@@ -206,3 +206,16 @@ def test_grouped_attention_is_masked_gqa(q):
     assert out.shape == (1, h, q, d) and torch.allclose(out[0], ref, atol=1e-5)
     if q == 1:  # one token: a mask shared by the query positions broadcasts
         assert torch.allclose(grouped_attention(query, keys, values, mask[:, :, :1], 0.3), out, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["packed", "math"])
+def test_fixed_set_sdpa_layouts_equal_full_kv(monkeypatch, layout):
+    """The fixed sets' other ways of making their SDPA call (fixed_set.SDPA_LAYOUT, for comparing kernels on a
+    device) give full KV's logits under full expansion, as the default does (test above)."""
+    from sekv_core.sekv import fixed_set
+
+    monkeypatch.setattr(fixed_set, "SDPA_LAYOUT", layout)
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", **EXACT)
+    mem = _batched(store, p, res)
+    q = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(2))
+    _agree(model, q, mem, full, tol=2e-4, rtol=1e-4)

@@ -22,6 +22,15 @@ from .residents import Residents
 from .scout import Ranking
 
 
+#: how the one SDPA call is made, for comparing the kernels a device picks (benchmarks/cli_probe.py sets it from
+#: $SEKV_PROBE_FIXED_SDPA): "gqa", ``enable_gqa`` under the per-head mask (a masked GQA call has no flash or
+#: memory-efficient kernel on CUDA: torch takes cuDNN's, whose plan is built per new shape, or the math one);
+#: "packed", :func:`grouped_attention` (plain multi-head attention, which the memory-efficient kernel takes, but
+#: with one thread block per KV head and query tile: little parallelism for one token over a long memory);
+#: "math", the math kernel forced.  All three are the same attention (tests).
+SDPA_LAYOUT = "gqa"
+
+
 class FixedSets:
     def __init__(self, res: Residents, ledger: ZoomLedger, ranking: Ranking, blocks: list[fb.Blocks], head_group: torch.Tensor):
         self.res, self.ledger, self.ranking, self.blocks, self.head_group = res, ledger, ranking, blocks, head_group
@@ -203,8 +212,7 @@ class FixedSets:
         dev = query.device
         if fresh:
             if self.mask[layer] is None or self.mask[layer].shape[-1] != cap + ug:
-                # each head's row starts 16-aligned: the memory-efficient kernel takes it as is (else it pads a copy per call)
-                self.mask[layer] = torch.empty(1, h, 1, -(-(cap + ug) // 16) * 16, dtype=query.dtype, device=dev)[..., : cap + ug]
+                self.mask[layer] = torch.empty(1, h, 1, cap + ug, dtype=query.dtype, device=dev)
             plan = getattr(self, "_plan_cache", (None, {}))[1]
             mk = plan.get("mask") if plan.get("expanded") is expanded else None
             if mk is None or mk[0] != (cap, ug, lim) or torch.is_tensor(lim):  # the same for every layer of a plan
@@ -230,7 +238,14 @@ class FixedSets:
         if q > 1:  # causal among the new tokens
             mask = mask.expand(1, h, q, cap + ug).clone()
             mask[0, :, :, lim - q : lim] += torch.full((q, q), float("-inf"), device=dev).triu(1).to(mask.dtype)
-        return grouped_attention(query, jk, jv, mask, scaling)
+        if SDPA_LAYOUT == "packed":
+            return grouped_attention(query, jk, jv, mask, scaling)
+        if SDPA_LAYOUT == "math":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(SDPBackend.MATH):
+                return F.scaled_dot_product_attention(query, jk, jv, attn_mask=mask, scale=scaling, enable_gqa=jk.shape[1] != h)
+        return F.scaled_dot_product_attention(query, jk, jv, attn_mask=mask, scale=scaling, enable_gqa=jk.shape[1] != h)
 
 
 def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -238,9 +253,7 @@ def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     query head on its KV group (head h on group h // (H / Hkv)), as ``enable_gqa=True`` would -> [1, H, q, d].
 
     A group's heads are stacked along the query axis ([1, Hkv, G q, d], the mask likewise), so SDPA sees plain
-    multi-head attention: on CUDA a masked GQA call has no fused kernel and falls back to the math one (K/V repeated
-    per head, the scores materialised in float32, a dozen launches), while masked multi-head attention runs the
-    memory-efficient kernel, inside a captured graph too."""
+    multi-head attention, which CUDA's memory-efficient kernel takes under a mask (a masked GQA call it does not)."""
     _, h, q, d = query.shape
     hkv, t = keys.shape[1], keys.shape[2]
     g = h // hkv
