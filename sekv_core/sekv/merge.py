@@ -129,7 +129,8 @@ def merge(pieces: list[Piece], moments: list[torch.Tensor], params: SekvParams, 
             parts = [({k: x.pop(f"{kind}.{li}.{k}") for k in _FACTOR_PARTS if f"{kind}.{li}.{k}" in x}, n) for x, n in zip(t, lens)]
             f = merge_factors(parts, d)
             if params.coded:  # at rest 4-bit (values: value_bits); decoded to int8 at open (layout.read_factors)
-                out.update({f"sekv.{kind}.{li}.{n}": v.cpu() for n, v in codec.encode_factors(_to(f, code_dev), span_len, d, **cfg).items()})
+                coded = codec.encode_factors(_to(f, code_dev), span_len, d, **cfg)
+                out.update({f"sekv.{kind}.{li}.{n}": v if code_dev is None else v.cpu() for n, v in coded.items()})
             else:
                 out.update(f.tensors(f"sekv.{kind}.{li}"))
     return out
