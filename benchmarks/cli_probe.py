@@ -113,9 +113,11 @@ def _install() -> None:
     wrap(gs.GraphedStep, "_eager_then_capture", "graph_capture")
     import sekv_core.sekv.gpu_step as gpu_step
 
-    # the batched step's construction (each layer's factor blocks decoded and laid out in pinned memory): one-off,
-    # inside the first question's scout pass
-    wrap(gpu_step.BatchedStep, "__init__", "sekv_step_build")
+    # the batched step's factor blocks (each layer's factors decoded and laid out in pinned memory): built once, on
+    # a second thread from the pack's open (sekv_step_build, that thread's seconds), and what the first forward
+    # still waits for them (sekv_blocks_wait, inside the first question's scout pass)
+    wrap(gpu_step, "build_blocks", "sekv_step_build")
+    wrap(gpu_step.BlockBuild, "result", "sekv_blocks_wait")
     if os.environ.get("SEKV_PROBE_FIXED_SDPA"):  # how sekv's fixed sets call SDPA (sekv/fixed_set.py SDPA_LAYOUT)
         import sekv_core.sekv.fixed_set as fixed_set
 

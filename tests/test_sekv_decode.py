@@ -219,3 +219,26 @@ def test_fixed_set_sdpa_layouts_equal_full_kv(monkeypatch, layout):
     mem = _batched(store, p, res)
     q = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(2))
     _agree(model, q, mem, full, tol=2e-4, rtol=1e-4)
+
+
+def test_blocks_built_on_a_second_thread_give_the_same_step():
+    """The batched step's blocks built by BlockBuild (on CUDA from the pack's open, on a second thread) give the
+    logits of blocks built in the first forward; an error of the build is raised where the blocks are first used."""
+    from sekv_core.errors import PackError
+
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.5, min_span=10)
+    plain, threaded = _batched(store, p, res), _batched(store, p, res)
+    threaded._blocks = gpu_step.BlockBuild(threaded.res)
+    q = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(3))
+    _agree(model, q, plain, threaded, tol=0, rtol=0)
+    assert threaded._blocks is None and len(threaded.step.blocks) == res.shape.n_layers
+
+    broken = _batched(store, p, res)
+
+    def damaged(i):
+        raise PackError("checksum mismatch")
+
+    broken.res.factors.on_device = damaged
+    broken._blocks = gpu_step.BlockBuild(broken.res)
+    with pytest.raises(PackError, match="checksum"):
+        runtime.forward_logits(model, q, broken.n_tokens(), broken)
