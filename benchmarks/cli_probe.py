@@ -16,7 +16,8 @@ timers, synchronising CUDA at their ends, and writes one JSON record to $SEKV_PR
   asks        one entry per question: wall seconds, the answer's DecodeStats, captures during it
   gpu         weights' bytes, peak allocated / reserved at exit
 
-$SEKV_PROBE_PROFILE=PATH: the whole CLI under cProfile (PATH.prof, and PATH.txt: the top functions by
+$SEKV_PROBE_FIXED_SDPA=gqa|packed|math: how sekv's fixed sets make their SDPA call (sekv/fixed_set.py
+SDPA_LAYOUT; default gqa), to compare the kernels the device picks.  $SEKV_PROBE_PROFILE=PATH: the whole CLI under cProfile (PATH.prof, and PATH.txt: the top functions by
 cumulative time).  $SEKV_PROBE_TORCH=PATH: each ask under torch.profiler (PATH.txt: operators by CUDA and by CPU
 time).  Timers synchronise the device, so a probed run is a little slower than a plain one; gpu_cli.py can run
 both.
@@ -110,6 +111,17 @@ def _install() -> None:
     wrap(pack, "_hash_from", "pack_read.sha256")
     wrap(session, "check_model", "check_model")
     wrap(gs.GraphedStep, "_eager_then_capture", "graph_capture")
+    import sekv_core.sekv.gpu_step as gpu_step
+
+    # the batched step's factor blocks (each layer's factors decoded and laid out in pinned memory): built once, on
+    # a second thread from the pack's open (sekv_step_build, that thread's seconds), and what the first forward
+    # still waits for them (sekv_blocks_wait, inside the first question's scout pass)
+    wrap(gpu_step, "build_blocks", "sekv_step_build")
+    wrap(gpu_step.BlockBuild, "result", "sekv_blocks_wait")
+    if os.environ.get("SEKV_PROBE_FIXED_SDPA"):  # how sekv's fixed sets call SDPA (sekv/fixed_set.py SDPA_LAYOUT)
+        import sekv_core.sekv.fixed_set as fixed_set
+
+        fixed_set.SDPA_LAYOUT = RECORD["fixed_sdpa"] = os.environ["SEKV_PROBE_FIXED_SDPA"]
 
     def note_ingest(r) -> None:
         RECORD["ingest"] = {k: getattr(r, k) for k in ("n_tokens", "prefill_s", "compress_s", "write_s", "total_s", "pack_bytes", "raw_kv_fp16_bytes") if hasattr(r, k)}

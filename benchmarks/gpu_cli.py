@@ -230,6 +230,9 @@ def summarize(rec: dict) -> dict:
         "sha256_s": g("pack_read.sha256"),
         "open_s": g("session_open") - g("model_load") - g("pack_read") - g("check_model"),
         "scout_s": a0.get("scout_s"),
+        "step_build_s": g("sekv_step_build"),  # the batched step's blocks, on a second thread from the open
+        "blocks_wait_s": g("sekv_blocks_wait"),  # what the first scout waited for them
+        "fixed_sdpa": ap.get("fixed_sdpa", "gqa"),  # $SEKV_PROBE_FIXED_SDPA
         "ttft_s": st.get("ttft_s", (js.get("timings") or {}).get("ttft_s")),
         "tok_per_s": st.get("tokens_per_s", (js.get("timings") or {}).get("tokens_per_s")),
         "generated": st.get("generated_tokens"),
@@ -250,7 +253,7 @@ def summarize(rec: dict) -> dict:
 COLS = [
     ("tokens", "tokens", "{}"), ("method", "method", "{}"), ("ingest_wall_s", "ingest", "{:.1f}"), ("pack_mib", "pack MiB", "{:.1f}"),
     ("ingest_over_prefill", "ingest/prefill", "{:.2f}"), ("ask_wall_s", "ask", "{:.2f}"), ("import_s", "import", "{:.2f}"), ("transformers_import_s", "tf import", "{:.2f}"), ("cuda_init_s", "CUDA", "{:.2f}"), ("other_s", "other", "{:.2f}"), ("load_s", "load", "{:.2f}"), ("pack_read_s", "read", "{:.2f}"),
-    ("sha256_s", "sha256", "{:.2f}"), ("open_s", "open", "{:.2f}"), ("scout_s", "scout", "{:.3f}"), ("ttft_s", "TTFT", "{:.3f}"),
+    ("sha256_s", "sha256", "{:.2f}"), ("open_s", "open", "{:.2f}"), ("scout_s", "scout", "{:.3f}"), ("step_build_s", "build", "{:.3f}"), ("blocks_wait_s", "wait", "{:.3f}"), ("ttft_s", "TTFT", "{:.3f}"),
     ("tok_per_s", "tok/s", "{:.1f}"), ("captures", "capt", "{}"), ("ask_gpu_peak_gib", "GPU GiB", "{:.2f}"),
     ("weights_gib", "weights", "{:.2f}"), ("ask_rss_gib", "RSS GiB", "{:.2f}"), ("found", "found", "{}"),
     ("chat_ttft_s", "chat TTFT", "{}"), ("chat_scout_s", "chat scout", "{}"), ("chat_tok_per_s", "chat tok/s", "{}"), ("chat_found", "chat found", "{}"),

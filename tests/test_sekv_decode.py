@@ -184,3 +184,61 @@ def test_batched_without_spans_or_zoom_equals_reference(kw):
         b = runtime.forward_logits(model, x, mem2.n_tokens(), mem2)
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
     assert mem2.step_stats().extra["zoom_spans_total"] == 0
+
+
+@pytest.mark.parametrize("q", [1, 5])
+def test_grouped_attention_is_masked_gqa(q):
+    """fixed_set.grouped_attention (a group's heads stacked on the query axis, no GQA flag) against a hand-written
+    softmax with each head on its group's K/V, under an additive mask with hidden entries, on an aligned sliced
+    mask as the fixed sets keep it."""
+    from sekv_core.sekv.fixed_set import grouped_attention
+
+    g = torch.Generator().manual_seed(7)
+    h, hkv, t, d = 6, 2, 37, 16
+    query, keys, values = torch.randn(1, h, q, d, generator=g), torch.randn(1, hkv, t, d, generator=g), torch.randn(1, hkv, t, d, generator=g)
+    hide = torch.rand(1, h, q, t, generator=g) < 0.3
+    hide[..., 0] = False
+    mask = torch.empty(1, h, q, 48)[..., :t]
+    mask.copy_(torch.where(hide, float("-inf"), torch.randn(1, h, q, t, generator=g)))
+    out = grouped_attention(query, keys, values, mask, 0.3)
+    kk, vv = keys[0].repeat_interleave(h // hkv, 0), values[0].repeat_interleave(h // hkv, 0)
+    ref = torch.softmax(query[0] @ kk.transpose(1, 2) * 0.3 + mask[0], -1) @ vv
+    assert out.shape == (1, h, q, d) and torch.allclose(out[0], ref, atol=1e-5)
+    if q == 1:  # one token: a mask shared by the query positions broadcasts
+        assert torch.allclose(grouped_attention(query, keys, values, mask[:, :, :1], 0.3), out, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["packed", "math"])
+def test_fixed_set_sdpa_layouts_equal_full_kv(monkeypatch, layout):
+    """The fixed sets' other ways of making their SDPA call (fixed_set.SDPA_LAYOUT, for comparing kernels on a
+    device) give full KV's logits under full expansion, as the default does (test above)."""
+    from sekv_core.sekv import fixed_set
+
+    monkeypatch.setattr(fixed_set, "SDPA_LAYOUT", layout)
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", **EXACT)
+    mem = _batched(store, p, res)
+    q = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(2))
+    _agree(model, q, mem, full, tol=2e-4, rtol=1e-4)
+
+
+def test_blocks_built_on_a_second_thread_give_the_same_step():
+    """The batched step's blocks built by BlockBuild (on CUDA from the pack's open, on a second thread) give the
+    logits of blocks built in the first forward; an error of the build is raised where the blocks are first used."""
+    from sekv_core.errors import PackError
+
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.5, min_span=10)
+    plain, threaded = _batched(store, p, res), _batched(store, p, res)
+    threaded._blocks = gpu_step.BlockBuild(threaded.res)
+    q = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(3))
+    _agree(model, q, plain, threaded, tol=0, rtol=0)
+    assert threaded._blocks is None and len(threaded.step.blocks) == res.shape.n_layers
+
+    broken = _batched(store, p, res)
+
+    def damaged(i):
+        raise PackError("checksum mismatch")
+
+    broken.res.factors.on_device = damaged
+    broken._blocks = gpu_step.BlockBuild(broken.res)
+    with pytest.raises(PackError, match="checksum"):
+        runtime.forward_logits(model, q, broken.n_tokens(), broken)

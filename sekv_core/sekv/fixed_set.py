@@ -22,6 +22,15 @@ from .residents import Residents
 from .scout import Ranking
 
 
+#: how the one SDPA call is made, for comparing the kernels a device picks (benchmarks/cli_probe.py sets it from
+#: $SEKV_PROBE_FIXED_SDPA): "gqa", ``enable_gqa`` under the per-head mask (a masked GQA call has no flash or
+#: memory-efficient kernel on CUDA: torch takes cuDNN's, whose plan is built per new shape, or the math one);
+#: "packed", :func:`grouped_attention` (plain multi-head attention, which the memory-efficient kernel takes, but
+#: with one thread block per KV head and query tile: little parallelism for one token over a long memory);
+#: "math", the math kernel forced.  All three are the same attention (tests).
+SDPA_LAYOUT = "gqa"
+
+
 class FixedSets:
     def __init__(self, res: Residents, ledger: ZoomLedger, ranking: Ranking, blocks: list[fb.Blocks], head_group: torch.Tensor):
         self.res, self.ledger, self.ranking, self.blocks, self.head_group = res, ledger, ranking, blocks, head_group
@@ -33,6 +42,7 @@ class FixedSets:
         self.filled_for: list = [None] * L  # per layer: the key() its set was filled for
         self.mask: list = [None] * L  # per layer: [1, H, 1, capacity + rows] (a step only unmasks its own token)
         self.reused_now = [False] * L
+        self._folded_for = None  # the key whose first fill folded every layer's reuses
         # what each layer's fill recorded, added to the ledger once per reuse (reuses counts them)
         self.reuses = torch.zeros(L, dtype=torch.long, device=dev)
         self.spans = torch.zeros(L, S, dtype=torch.bool, device=dev)
@@ -57,6 +67,7 @@ class FixedSets:
         self.n = [torch.zeros(self.hkv, dtype=torch.long, device=dev) for _ in range(L)]
         self.filled_for = [None] * L
         self.mask = [None] * L
+        self._folded_for = None
         #: re-positioned: each layer's base entries' slots under its set
         self.base_slots = [torch.zeros(self.hkv, r.n_base, dtype=torch.long, device=dev) for _ in range(L)]
 
@@ -100,7 +111,9 @@ class FixedSets:
         if reuse:
             self.reuses[layer].add_(1)
             return self._joint_attention(layer, query, scaling, lim, fresh=False)
-        self._fold(layer)  # before its recorded stats are replaced
+        if self._folded_for != key:  # before any layer's recorded stats are replaced: every layer at the key's first
+            self._fold()  # fill, one fold for all (a layer that fills later for this key cannot have been reused since)
+            self._folded_for = key
         plan = self._plan(key, r.kv.annex_kv(layer)[0].shape[-2], query.shape[1])
         words = self._fill(layer, plan)
         self.spans[layer].copy_(plan["keep_s"].any(0))
@@ -225,4 +238,27 @@ class FixedSets:
         if q > 1:  # causal among the new tokens
             mask = mask.expand(1, h, q, cap + ug).clone()
             mask[0, :, :, lim - q : lim] += torch.full((q, q), float("-inf"), device=dev).triu(1).to(mask.dtype)
+        if SDPA_LAYOUT == "packed":
+            return grouped_attention(query, jk, jv, mask, scaling)
+        if SDPA_LAYOUT == "math":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(SDPBackend.MATH):
+                return F.scaled_dot_product_attention(query, jk, jv, attn_mask=mask, scale=scaling, enable_gqa=jk.shape[1] != h)
         return F.scaled_dot_product_attention(query, jk, jv, attn_mask=mask, scale=scaling, enable_gqa=jk.shape[1] != h)
+
+
+def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    """SDPA of query [1, H, q, d] over keys / values [1, Hkv, T, d] under an additive mask [1, H, q | 1, T], each
+    query head on its KV group (head h on group h // (H / Hkv)), as ``enable_gqa=True`` would -> [1, H, q, d].
+
+    A group's heads are stacked along the query axis ([1, Hkv, G q, d], the mask likewise), so SDPA sees plain
+    multi-head attention, which CUDA's memory-efficient kernel takes under a mask (a masked GQA call it does not)."""
+    _, h, q, d = query.shape
+    hkv, t = keys.shape[1], keys.shape[2]
+    g = h // hkv
+    if g == 1:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
+    qg = query.reshape(1, hkv, g * q, d)
+    mg = mask.expand(1, h, q, t).reshape(1, hkv, g * q, t)
+    return F.scaled_dot_product_attention(qg, keys, values, attn_mask=mg, scale=scaling).reshape(1, h, q, d)

@@ -23,6 +23,9 @@ the block tables are all counted as resident, allocated or not filled.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 
 from . import blocks as fb
@@ -40,13 +43,47 @@ from .scout import Ranking
 SCOUT_CHUNK_BYTES = 64 << 20
 
 
+def build_blocks(res: Residents) -> list[fb.Blocks]:
+    """Every layer's factor blocks (sekv/blocks.py): the factors decoded and re-laid on the accelerator, kept in
+    pinned host memory there."""
+    wd = res.device if res.cuda else None
+    return [fb.build(res.factors.on_device(i), res.span_len, res.shape.head_dim, res.device, pin=res.cuda, work_device=wd)
+            for i in range(res.shape.n_layers)]
+
+
+class BlockBuild:
+    """:func:`build_blocks` on a second thread, started when the pack opens, so that the first question finds the
+    blocks made (or waits only for the rest) instead of building them inside its scout pass: in `sekv chat` they
+    are made while the question is typed, in `sekv ask` while the question is prepared.  ``result()`` joins; an
+    error of the build (a damaged pack) is raised there, in the first forward, where it was raised before."""
+
+    def __init__(self, res: Residents):
+        self._blocks: list[fb.Blocks] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(res,), name="sekv-blocks")
+        self._thread.start()
+
+    def _run(self, res: Residents) -> None:
+        try:
+            # as inside the forward that would otherwise build them; a thread starts on the first GPU: the pack's
+            with torch.inference_mode(), (torch.cuda.device(res.device) if res.cuda else contextlib.nullcontext()):
+                self._blocks = build_blocks(res)
+        except BaseException as e:  # noqa: BLE001 - handed to result()
+            self._error = e
+
+    def result(self) -> list[fb.Blocks]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._blocks
+
+
 class BatchedStep:
-    def __init__(self, res: Residents, ledger: ZoomLedger, ranking: Ranking | None):
+    def __init__(self, res: Residents, ledger: ZoomLedger, ranking: Ranking | None, blocks: list[fb.Blocks] | None = None):
         self.res, self.ledger, self.ranking = res, ledger, ranking
         sh = res.shape
         self.d, self.hkv, self.L = sh.head_dim, sh.n_kv_heads, sh.n_layers
-        wd = res.device if res.cuda else None
-        self.blocks = [fb.build(res.factors.on_device(i), res.span_len, self.d, res.device, pin=res.cuda, work_device=wd) for i in range(self.L)]
+        self.blocks = build_blocks(res) if blocks is None else blocks
         self.table_bytes = sum(b.index_bytes() for b in self.blocks)
         self.uva = all(b.uva for b in self.blocks)
         self.min_len = int(res.span_len.min()) if res.n_spans else 1

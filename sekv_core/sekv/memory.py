@@ -14,10 +14,15 @@ from . import factorize as fz
 from . import prior
 from .budget import ZoomLedger
 from .cpu_step import CpuStep
-from .gpu_step import BatchedStep
+from .gpu_step import BatchedStep, BlockBuild
 from .params import SekvParams
 from .residents import Residents
 from .scout import Ranking
+
+
+#: on an accelerator, build the batched step's factor blocks on a second thread from open (False: in the first
+#: forward, as the CPU does)
+BACKGROUND_BLOCKS = True
 
 
 class ZoomMemory(KVMemory):
@@ -43,11 +48,17 @@ class ZoomMemory(KVMemory):
         #: accelerators take the batched step; the CPU the reference step (settable between asks)
         self.batched = res.cuda
         self.step: CpuStep | BatchedStep | None = None
+        #: the batched step's blocks, built on a second thread from now on (sekv/gpu_step.py BlockBuild)
+        self._blocks = BlockBuild(res) if res.cuda and BACKGROUND_BLOCKS else None
 
     def _step(self) -> CpuStep | BatchedStep:
         kind = BatchedStep if self.batched else CpuStep
         if type(self.step) is not kind:
-            self.step = kind(self.res, self.ledger, self.ranking)
+            if kind is BatchedStep:
+                blocks, self._blocks = (self._blocks.result() if self._blocks is not None else None), None
+                self.step = BatchedStep(self.res, self.ledger, self.ranking, blocks)
+            else:
+                self.step = CpuStep(self.res, self.ledger, self.ranking)
         return self.step
 
     # -- KVMemory -------------------------------------------------------------------------------------------

@@ -103,6 +103,10 @@ def merge(pieces: list[Piece], moments: list[torch.Tensor], params: SekvParams, 
 
         out["sekv.router.ttau"] = trained.tau.float()
         out["sekv.router.sha256"] = layout.sha256_tensor(router_file.file_sha256(trained.path))
+    # the 4-bit coding of the factors runs where the prefill ran when that is an accelerator (~2.8 s of a 16K document's
+    # ingest on one CPU thread, milliseconds there): comparisons and correctly rounded divisions, the same codes on
+    # either; the row scales' log8 codes (log2) stay on the host
+    code_dev = device if device is not None and torch.device(device).type == "cuda" else None
     sdt = pieces[0].tensors["full.k.0"].dtype
     span_len = seg.span_len
     lens = [p.seg.span_len for p in pieces]
@@ -125,10 +129,18 @@ def merge(pieces: list[Piece], moments: list[torch.Tensor], params: SekvParams, 
             parts = [({k: x.pop(f"{kind}.{li}.{k}") for k in _FACTOR_PARTS if f"{kind}.{li}.{k}" in x}, n) for x, n in zip(t, lens)]
             f = merge_factors(parts, d)
             if params.coded:  # at rest 4-bit (values: value_bits); decoded to int8 at open (layout.read_factors)
-                out.update({f"sekv.{kind}.{li}.{n}": v for n, v in codec.encode_factors(f, span_len, d, **cfg).items()})
+                coded = codec.encode_factors(_to(f, code_dev), span_len, d, **cfg)
+                out.update({f"sekv.{kind}.{li}.{n}": v if code_dev is None else v.cpu() for n, v in coded.items()})
             else:
                 out.update(f.tensors(f"sekv.{kind}.{li}"))
     return out
+
+
+def _to(f: fz.Factors, device) -> fz.Factors:
+    """f's factors and ranks on device (None: where they are); its row scales where they are."""
+    if device is None:
+        return f
+    return fz.Factors(f.us.to(device), f.vt.to(device), f.rank.to(device), f.us_scale, f.vt_scale)
 
 
 def _global_segmentation(pieces: list[Piece], n_tokens: int) -> Segmentation:
