@@ -15,6 +15,11 @@ shared by variants with the same ingest-time parameters).  Per variant it record
 
     python -m benchmarks.studies.mk_fidelity --cells 0:25 --variant base: --variant v4:value_bits=4 --out /tmp/x.json
 
+Study-only keys in a variant: ``x_restrict=asked`` (only the asked needle's blocks may be zoomed: ZoomMemory.restrict),
+``x_full=digits`` / ``x_full=sA`` (every digit token / every token with surprisal > mu + A sigma taken out of its span
+and kept at full resolution: a mechanism simulated by patching compress.segmentation).  ``--margins``: the ask again
+with the expected number forced, each digit's logit minus the best other token's.
+
 ``--batched`` asks through the accelerators' step (sekv/gpu_step.py) on the CPU, as the H200 bench does.
 """
 
