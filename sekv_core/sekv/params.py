@@ -75,9 +75,10 @@ class SekvParams(Params):
     # past the window (sekv/positions.py): "spread" keeps the document's gaps between resident units, scaled to fit the
     # window; "packed" puts the resident units at consecutive positions
     reposition: str = ask_time("packed")
-    # past the window: what the coarse entries together stand for (each one's + log of its span's hidden tokens):
-    # "window": scaled by p0 / document tokens, so the resident set weighs what a window's worth of text does;
-    # "document": every hidden token of the document, as within the window; "none": coarse entries hidden
+    # past the window (sekv/positions.py), what the coarse entries together stand for (each one's + log of its span's
+    # hidden tokens): "document": every hidden token, as within the window; "window": their counts scaled by p0 /
+    # document tokens; "none": hidden, the model reads the full-resolution tokens and the zoomed blocks
+    # (docs/long-documents.md, "Why needles were missed past the window")
     coarse_mass: str = ask_time("document")
     # "kvzip": KVzip's reconstruction scores computed at ingest (one more pass over the document) and stored as a
     # per-token prior; the scout adds prior_weight x z(each block's pooled prior) to its ranking (sekv/prior.py)
