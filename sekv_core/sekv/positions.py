@@ -14,6 +14,8 @@ does not hold takes a position, so a budget's worth of a 250K-token document fit
 A coarse entry (a mean of its span's rotated keys) is de-rotated by its span's first position and takes one slot
 before the span's zoomed blocks; a span whose blocks are all zoomed hides its coarse entry, which then takes none.
 The zoomed tokens of a group are capped at what the window leaves (:meth:`Layout.cap`): "the window is the cap".
+What the coarse entries stand for past the window is the ask-time ``coarse_mass`` (:attr:`Layout.coarse_shift`):
+every hidden token as within the window (the default), a window's worth, or nothing.
 When even the full-resolution tokens and coarse entries exceed p0 (past ~10x the window at the default budget),
 they share positions, spread evenly over [0, p0) in order.
 
