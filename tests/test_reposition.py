@@ -349,3 +349,44 @@ def test_bench_niah_past_the_window_runs_sekv_only_and_resumes(tiny_window, hays
         pos = r["method_stats"]["positions"]
         assert pos["window"] == WINDOW and 0 < pos["resident_tokens"] <= pos["question_at"] < WINDOW
     assert runner.run(lm, cfg, tmp_path, Rep()).added == 0
+
+
+def test_coarse_mass_by_hand():
+    """coarse_mass "window": past the window every coarse entry's score drops by log(p0 / document tokens), so the
+    31-token example with the question at 10 has its hidden tokens weigh 10 / 31 of themselves; nothing changes when
+    the document fits before p0, nor with "document"."""
+    args = (torch.tensor([0, 1, 30]), torch.tensor([2, 14]), torch.tensor([12, 16]), torch.tensor([2, 6, 10, 14, 22]),
+            torch.tensor([4, 4, 4, 8, 8]), torch.tensor([0, 0, 0, 1, 1]), 2, "cpu")
+    lay = Layout(*args, n_doc=31, coarse_mass="window")
+    lay.set_question_at(10)
+    assert lay.coarse_shift == pytest.approx(math.log(10 / 31))
+    lay.set_question_at(31)
+    assert lay.coarse_shift == 0.0
+    lay.set_question_at(100)
+    assert lay.coarse_shift == 0.0
+    lay = Layout(*args, n_doc=31, coarse_mass="document")
+    lay.set_question_at(10)
+    assert lay.coarse_shift == 0.0
+    lay = Layout(*args, n_doc=31, coarse_mass="none")
+    lay.set_question_at(10)
+    assert lay.coarse_shift == float("-inf")
+    lay.set_question_at(31)
+    assert lay.coarse_shift == 0.0
+
+
+@pytest.mark.parametrize("mass", ["window", "document", "none"])
+def test_coarse_entries_stand_for_a_window_of_tokens(mass):
+    """Past the window with coarse_mass "window", the coarse entries' exp-scores (the tokens each stands for, SPEC
+    §2.5) add up to the hidden tokens x p0 / n: the resident set weighs what p0 tokens of text do; with "document"
+    to every hidden token, with "none" to nothing.  Counted from the spans and the zoomed blocks, not from the code's own shift."""
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=400, budget=0.2, coarse_mass=mass)
+    r = mem.res
+    p0 = 150
+    mem.question_at(p0)
+    g = torch.Generator().manual_seed(4)
+    expanded = torch.rand(r.shape.n_heads, r.n_blocks, generator=g) < 0.3
+    scores = r.coarse_mask(expanded)  # [H, S]
+    for h in range(r.shape.n_heads):
+        hidden = int(r.span_len.sum()) - int(r.block_len[expanded[h]].sum())
+        want = hidden * {"window": p0 / r.n_doc, "document": 1.0, "none": 0.0}[mass]
+        assert float(scores[h].double().exp().sum()) == pytest.approx(want, rel=1e-4)

@@ -11,7 +11,10 @@ right-aligned before it).  The variants, on the SAME needles:
 * ``win``          windowed ingest, read at the document's own positions (isolates the windowing)
 * ``win@rp``       windowed ingest, re-positioned (the product's path past the window)
 * ``win@rp/cN``    the same with N carried tokens (``--carries``)
-* ``...:packed``    re-positioned with the consecutive layout (``reposition=packed``) instead of the spread one
+* ``...:OPT+OPT``  options of the ask: ``packed`` / ``spread`` (``reposition``), ``KEY=VALUE`` an ask-time sekv
+                   parameter (``budget=0.6``, ``zoom_unit=32``), ``cb=X`` (study only) X added to every coarse entry's
+                   score (its log of the tokens it stands for): ``cb=2.08`` makes an 8K document's coarse entries weigh
+                   what a 64K one's do, ``cb=-100`` hides them
 * ``rag``, ``full`` the baselines
 
 Per sekv cell: the rank (0 = first) of the best needle block under the scout's final ranking and under its parts
@@ -81,7 +84,8 @@ def rank_of(score: torch.Tensor, blocks: torch.Tensor) -> int:
     return int(pos[blocks].min()) if blocks.numel() else -1
 
 
-def sekv_cell(lm, mem, q_ids, probe_q, needle: tuple[int, int], layout: bool, stop_ids, max_new: int, batched: bool = False) -> dict:
+def sekv_cell(lm, mem, q_ids, probe_q, needle: tuple[int, int], layout: bool, stop_ids, max_new: int, batched: bool = False,
+              coarse_bias: float = 0.0) -> dict:
     """One sekv ask; layout: re-positioned with the question at the model's window - reserve, as past the window."""
     res = mem.res
     n0, n1 = needle
@@ -91,6 +95,9 @@ def sekv_cell(lm, mem, q_ids, probe_q, needle: tuple[int, int], layout: bool, st
     if layout:
         window = models.context_window(lm.config)
         mem.question_at(window - reserve, window)
+    if coarse_bias:
+        orig = mem.res.coarse_mask
+        mem.res.coarse_mask = lambda expanded: orig(expanded) + coarse_bias
     mem.batched = batched  # the accelerators' step (sekv/gpu_step.py, fixed_set.py), run here on the CPU
     with Probe() as p:
         ans, _ = generate(lm.model, mem, q_ids, max_new_tokens=max_new, stop_ids=stop_ids, question=probe_q.question, graphs=batched)
@@ -128,6 +135,8 @@ def main() -> None:
     ap.add_argument("--depths", default="0,25,50,75,100")
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--budget", type=float, default=0.1)
+    ap.add_argument("--ingest-budget", type=float, default=None, help="the budget the packs are made with (default --budget)")
+    ap.add_argument("--cache", default=None, help="a folder where packs are kept (safetensors) and read back by a later run")
     ap.add_argument("--carries", default="", help="extra carried-token counts for win@rp (default carry is windows.CARRY_TOKENS)")
     ap.add_argument("--variants", default="one,one@rp,win,win@rp,rag,full")
     ap.add_argument("--haystack", default="/work/shared/data/haystack/pg_essays")
@@ -146,6 +155,7 @@ def main() -> None:
     sekv, rag, full = methods.get("sekv"), methods.get("rag"), methods.get("full")
     extra = {k: json.loads(v) if v[:1].isdigit() or v[:1] == "-" or v in ("true", "false") else v for k, v in (x.split("=", 1) for x in a.param)}
     params = sekv.resolve_params({"budget": a.budget, **extra})
+    ingest_params = params if a.ingest_budget is None else params.replace(budget=a.ingest_budget)
     variants = a.variants.split(",")
     carries = [int(c) for c in a.carries.split(",") if c]
     variants += [f"win@rp/c{c}" for c in carries]
@@ -164,18 +174,19 @@ def main() -> None:
             header = _header_len(tok, ctx.document)
             row = {"length": a.length, "n_tokens": len(ids), "depth": depth, "seed": seed, "needle": list(needle),
                    "expected": pq.expected, "window": a.window, "cells": {}}
-            caps = {"obs_window": sekv.obs_window(params)}
+            caps = {"obs_window": sekv.obs_window(ingest_params)}
+            cached = _cache_path(a, ingest_params, seed, depth)
+            packs = _load(cached)
             kinds = prefill_scores.capture_kinds(sekv.needs_scores)
             text_sc = prefill_scores.text_scores(tok, text, ids, set(sekv.needs_scores) | set(rag.needs_scores))
             one = None
-            if any(v.startswith("one") or v == "full" for v in variants):
+            if any(v.startswith("one") and "one" not in packs or v == "full" for v in variants):
                 one = prefill(lm.model, torch.tensor(ids), with_surprisal=True, capture=kinds, **caps)
                 one.scores.update(text_sc)
-            packs = {}
-            if one is not None:
-                packs["one"] = {k: v.cpu() for k, v in sekv.compress(one, params).items()}
+            if one is not None and "one" not in packs:
+                packs["one"] = {k: v.cpu() for k, v in sekv.compress(one, ingest_params).items()}
             for carry in sorted({windows.CARRY_TOKENS, *carries}):
-                if not any(v.startswith("win") and (f"/c{carry}" in v or (carry == windows.CARRY_TOKENS and "/c" not in v)) for v in variants):
+                if f"win/c{carry}" in packs or not any(v.startswith("win") and (f"/c{carry}" in v or (carry == windows.CARRY_TOKENS and "/c" not in v)) for v in variants):
                     continue
                 reserve = min(512, a.window // 4)
                 plan = windows.plan(len(ids), header, a.window - reserve, carry)
@@ -184,9 +195,10 @@ def main() -> None:
                     r = prefill_window(lm.model, ids, header, w, with_surprisal=True, capture=kinds, **caps)
                     r.scores.update(text_sc)
                     pres.append(r)
-                packs[f"win/c{carry}"] = {k: v.cpu() for k, v in sekv.compress_windows(iter(pres), params).items()}
+                packs[f"win/c{carry}"] = {k: v.cpu() for k, v in sekv.compress_windows(iter(pres), ingest_params).items()}
                 row.setdefault("windows", {})[carry] = [[w.start, w.end] for w in plan]
                 del pres
+            _save(cached, packs)
             for v in variants:
                 if v in ("rag", "full"):
                     if v == "full":
@@ -200,13 +212,21 @@ def main() -> None:
                     answer = tok.decode(ans, skip_special_tokens=True).strip()
                     row["cells"][v] = {"answer": answer, "correct": bool(scoring.score(answer, pq)[0])}
                 else:
-                    v_, _, how = v.partition(":")  # ":packed": the consecutive layout (reposition=packed)
+                    v_, _, how = v.partition(":")  # the ask's options (module docstring)
                     kind, _, rest = v_.partition("@")
                     carry = int(rest.split("/c")[1]) if "/c" in rest else windows.CARRY_TOKENS
                     key = "one" if kind == "one" else f"win/c{carry}"
-                    p_v = params.replace(reposition=how) if how else params
+                    p_v, cb = params, 0.0
+                    for opt in filter(None, how.split("+")):
+                        k_, eq, val = opt.partition("=")
+                        if not eq:
+                            p_v = p_v.replace(reposition=k_)
+                        elif k_ == "cb":
+                            cb = float(val)
+                        else:
+                            p_v = p_v.replace(**{k_: type(getattr(p_v, k_))(json.loads(val) if val[:1].isdigit() or val[:1] == "-" else val)})
                     mem = sekv.open(DictStore(dict(packs[key])), p_v, shape, a.device)
-                    row["cells"][v] = sekv_cell(lm, mem, q_ids, pq, needle, rest.startswith("rp"), stop_ids, pq.max_new_tokens, a.batched)
+                    row["cells"][v] = sekv_cell(lm, mem, q_ids, pq, needle, rest.startswith("rp"), stop_ids, pq.max_new_tokens, a.batched, cb)
                 c = row["cells"][v]
                 print(f"{a.length} d{depth:g} s{seed} {v:12s} {'Y' if c['correct'] else 'n'} {c['answer'][:28]!r:32s}"
                       + (f" ranks {c['ranks']} zoomed {c['zoomed_layers']}/{shape.n_layers} prof {c['profile_at_needle']} q {c['question_z_at_needle']}"
@@ -218,6 +238,35 @@ def main() -> None:
                                            "model": a.model, "budget": a.budget, "params": a.param, "rows": rows}, indent=1))
     for v in variants:
         print(f"{v:12s} found {sum(r['cells'][v]['correct'] for r in rows)}/{len(rows)}")
+
+
+def _cache_path(a, params, seed: int, depth: float) -> Path | None:
+    if not a.cache:
+        return None
+    tag = f"{a.model}-{a.dtype or 'f32'}-{a.length}-w{a.window}-b{params.budget:g}-d{depth:g}-s{seed}"
+    return Path(a.cache) / f"{tag}.safetensors"
+
+
+def _load(path: Path | None) -> dict:
+    """Packs kept by an earlier run: {"one": {...}, "win/c256": {...}}."""
+    if path is None or not path.exists():
+        return {}
+    from safetensors.torch import load_file
+
+    packs: dict = {}
+    for name, t in load_file(str(path)).items():
+        key, _, tensor = name.partition("|")
+        packs.setdefault(key, {})[tensor] = t
+    return packs
+
+
+def _save(path: Path | None, packs: dict) -> None:
+    if path is None or not packs:
+        return
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({f"{key}|{n}": t.contiguous() for key, p in packs.items() for n, t in p.items()}, str(path))
 
 
 def _header_len(tok, document: str) -> int:

@@ -24,6 +24,7 @@ TAU_MODES = ("per_head", "global")
 KEY_SPACES = ("pre_rope", "post_rope")
 WEIGHTINGS = ("surprisal", "mean")
 REPOSITIONS = ("spread", "packed")
+COARSE_MASSES = ("window", "document", "none")
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,11 @@ class SekvParams(Params):
     # past the window (sekv/positions.py): "spread" keeps the document's gaps between resident units, scaled to fit the
     # window; "packed" puts the resident units at consecutive positions
     reposition: str = ask_time("packed")
+    # past the window (sekv/positions.py), what the coarse entries together stand for (each one's + log of its span's
+    # hidden tokens): "document": every hidden token, as within the window; "window": their counts scaled by p0 /
+    # document tokens; "none": hidden, the model reads the full-resolution tokens and the zoomed blocks
+    # (docs/long-documents.md, "Why needles were missed past the window")
+    coarse_mass: str = ask_time("document")
     # "kvzip": KVzip's reconstruction scores computed at ingest (one more pass over the document) and stored as a
     # per-token prior; the scout adds prior_weight x z(each block's pooled prior) to its ranking (sekv/prior.py)
     prior: str = "none"
@@ -88,6 +94,7 @@ class SekvParams(Params):
         self._one_of("key_space", KEY_SPACES)
         self._one_of("weighting", WEIGHTINGS)
         self._one_of("reposition", REPOSITIONS)
+        self._one_of("coarse_mass", COARSE_MASSES)
         self._one_of("factor_bits", (8, 4))
         self._one_of("value_bits", (3, 4))
         self._one_of("scale_bits", (8, 16))

@@ -14,6 +14,8 @@ does not hold takes a position, so a budget's worth of a 250K-token document fit
 A coarse entry (a mean of its span's rotated keys) is de-rotated by its span's first position and takes one slot
 before the span's zoomed blocks; a span whose blocks are all zoomed hides its coarse entry, which then takes none.
 The zoomed tokens of a group are capped at what the window leaves (:meth:`Layout.cap`): "the window is the cap".
+What the coarse entries stand for past the window is the ask-time ``coarse_mass`` (:attr:`Layout.coarse_shift`):
+every hidden token as within the window (the default), a window's worth, or nothing.
 When even the full-resolution tokens and coarse entries exceed p0 (past ~10x the window at the default budget),
 they share positions, spread evenly over [0, p0) in order.
 
@@ -21,6 +23,8 @@ Everything is tensor ops on the step's device (no host sync): the batched step a
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -32,7 +36,8 @@ class Layout:
     position (set per ask), ``room`` the zoomed tokens a group may hold."""
 
     def __init__(self, full_pos: torch.Tensor, span_start: torch.Tensor, span_len: torch.Tensor, block_start: torch.Tensor,
-                 block_len: torch.Tensor, block_span: torch.Tensor, n_kv_heads: int, device, n_doc: int = 0, spread: bool = False):
+                 block_len: torch.Tensor, block_span: torch.Tensor, n_kv_heads: int, device, n_doc: int = 0, spread: bool = False,
+                 coarse_mass: str = "document"):
         dev = torch.device(device)
         self.F, self.S, self.B = int(full_pos.numel()), int(span_start.numel()), int(block_start.numel())
         self.hkv = n_kv_heads
@@ -52,10 +57,18 @@ class Layout:
         self.span_first_block = (torch.cumsum(counts, 0) - counts).to(dev)  # a span's blocks are consecutive, in order
         self.p0 = 0
         self.room = 0
+        #: added to every coarse entry's score (its log of the tokens it stands for) while re-positioned, when the
+        #: document is longer than p0 (:meth:`set_question_at`): coarse_mass "window" log(p0 / n_doc), "none" -inf
+        #: (hidden), "document" 0
+        self.coarse_mass = coarse_mass
+        self.coarse_shift = 0.0
 
     def set_question_at(self, p0: int) -> None:
         self.p0 = int(p0)
         self.room = max(0, self.p0 - self.F - self.S)
+        self.coarse_shift = 0.0
+        if self.n_doc > self.p0 > 0 and self.coarse_mass != "document":
+            self.coarse_shift = math.log(self.p0 / self.n_doc) if self.coarse_mass == "window" else float("-inf")
 
     def place(self, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """keep [Hkv, B] bool (the zoom blocks each KV group holds) -> (slots of the base units [Hkv, F + S],

@@ -69,6 +69,7 @@ class Residents:
         self.block_cost = (self.block_len * self.entry_bytes).to(device)  # ... zoom block b
         self.head_masks = params.head_masks
         self.reposition_kind = params.reposition  # the layout past the window (sekv/positions.py)
+        self.coarse_mass = params.coarse_mass
         self.lexicon = lexical.Lexicon(store.get("sekv.lex.terms"), self.block_start, self.block_len) if "sekv.lex.terms" in self.names and self.n_blocks else None
         self.scout_profile = self._profile(store, params.block_unit)
         #: re-positioned attention (sekv/positions.py): set by reposition(), the first time an ask needs it
@@ -87,7 +88,7 @@ class Residents:
                             "window; re-ingest it with the default key space")
         self.layout = positions.Layout(self.full_pos, self.span_start, self.span_len, self.block_start, self.block_len,
                                        self.block_span, self.shape.n_kv_heads, self.device, n_doc=self.n_doc,
-                                       spread=self.reposition_kind == "spread")
+                                       spread=self.reposition_kind == "spread", coarse_mass=self.coarse_mass)
         cos, sin = rope.cos_sin(self.layout.base_doc_pos, self.inv_freq, self.rope_scaling, dtype=self.shape.dtype)
         for layer in range(self.shape.n_layers):
             k = self.kv.k[layer][0, :, : self.n_base]
@@ -149,9 +150,10 @@ class Residents:
     def coarse_mask(self, expanded: torch.Tensor) -> torch.Tensor:
         """The coarse entries' additive scores [H, S] for a head x block expansion [H, B]: + log of the tokens of the
         span not expanded, -inf where all of them are (SPEC §2.5 with whole spans: + log n_i or hidden)."""
+        shift = 0.0 if self.layout is None else self.layout.coarse_shift  # re-positioned: sekv/positions.py
         if self.whole_spans:
-            return torch.where(expanded, float("-inf"), self.log_n.float().view(1, -1))
-        return coarse_scores(expanded, self.block_span_dev, self.block_len_dev, self.span_len_dev)
+            return torch.where(expanded, float("-inf"), self.log_n.float().view(1, -1) + shift)
+        return coarse_scores(expanded, self.block_span_dev, self.block_len_dev, self.span_len_dev) + shift
 
     def rotate(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Pre-RoPE packs: rebuilt key rows [..., d] rotated to their token positions [...] (float32); else as is."""
