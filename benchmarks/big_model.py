@@ -42,8 +42,9 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                  vocab_size=None, max_position_embeddings=4096, rope_theta=500000.0, original_window=512),
 }
-#: per shape: the sekv contexts (first: the long one), the full ladder
+#: per shape: the sekv contexts (0: the window less the question's reserve; first: the most important), the full ladder
 PLAN = {"70b": ([0, 32768, 65536], [8192, 16384, 32768, 65536]), "tiny": ([0, 1024, 2048], [512, 1024, 2048])}
+METHODS = ("sekv", "full")
 QUESTION = "What does the keeper's log say about the storm and the lamp?"
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
@@ -256,6 +257,13 @@ def main(argv=None) -> None:
     ap.add_argument("--offload-kv", choices=("auto", "on", "off"), default="auto", help="the ingest prefill's KV on the host (auto: when it would not fit)")
     ap.add_argument("--sekv", default=None, help="sekv contexts, comma-separated (default: the window's, 32K, 64K; 0 = the window less the reserve)")
     ap.add_argument("--full", default=None, help="the full ladder, comma-separated (default: 8K, 16K, 32K, 64K)")
+    ap.add_argument("--methods", default="sekv,full", help="which methods' cells run, comma-separated (sekv, full)")
+    ap.add_argument("--lengths", default=None,
+                    help="contexts for every method in --methods, comma-separated, in this order (overrides --sekv / --full; "
+                         "0 or the window's length or more = the window less the question's reserve)")
+    ap.add_argument("--compress-bound", type=int, default=None,
+                    help="bytes sekv's compress may hold at once (sekv/compress.py free_bytes); default: the GPU's free memory "
+                         "less a margin, none on a CPU (set it there to run the GPU's chunked path)")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs to split the model over (consecutive layer groups, accelerate's hooks between them)")
     ap.add_argument("--work-dir", default=None, help="where documents and packs are written (default: a temporary folder, removed)")
     a = ap.parse_args(argv)
@@ -263,6 +271,17 @@ def main(argv=None) -> None:
     sekv_ctx, full_ctx = PLAN[a.shape]
     sekv_ctx = [int(x) for x in a.sekv.split(",")] if a.sekv else sekv_ctx
     full_ctx = [int(x) for x in a.full.split(",")] if a.full else full_ctx
+    if a.lengths:
+        sekv_ctx = full_ctx = [int(x) for x in a.lengths.split(",")]
+    chosen = [m.strip() for m in a.methods.split(",") if m.strip()]
+    if not chosen or any(m not in METHODS for m in chosen):
+        ap.error(f"--methods: give some of {', '.join(METHODS)}")
+    sekv_ctx = sekv_ctx if "sekv" in chosen else []
+    full_ctx = full_ctx if "full" in chosen else []
+    if a.compress_bound is not None:
+        from sekv_core.sekv import compress
+
+        compress.free_bytes = lambda device: a.compress_bound
     cuda = torch.cuda.is_available()
     devices = [torch.device(f"cuda:{i}") if cuda else torch.device("cpu") for i in range(max(1, a.gpus))]
     device = devices[0]
@@ -279,7 +298,7 @@ def main(argv=None) -> None:
 
     result: dict = {"shape": a.shape, "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
                     "torch": torch.__version__, "transformers": transformers.__version__, "budget": a.budget, "new_tokens": a.new_tokens,
-                    "offload_kv": a.offload_kv, "time_limit_s": a.time_limit, "argv": sys.argv[1:], "cells": [], "skipped": []}
+                    "offload_kv": a.offload_kv, "time_limit_s": a.time_limit, "compress_bound": a.compress_bound, "argv": sys.argv[1:], "cells": [], "skipped": []}
 
     def save() -> None:
         result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
@@ -301,10 +320,14 @@ def main(argv=None) -> None:
                   kv_kib_per_token=ModelShape.of(model.config, next(model.parameters()).dtype).kv_bytes_per_token() / 1024)
     save()
     long_ctx = window - RESERVE_TOKENS - 64  # the longest document that is one window (and its question's reserve)
-    sekv_ctx = [c or long_ctx for c in sekv_ctx]
+    sekv_ctx = [long_ctx if not c or c > long_ctx else c for c in sekv_ctx]
+    full_ctx = [long_ctx if not c or c > long_ctx else c for c in full_ctx]
     global PROMPT_TOKENS
     PROMPT_TOKENS = len(prompt.encode(tok, prompt.document_prefix(tok, "")))  # the pack's tokens = the document's + these
-    order = [("sekv", sekv_ctx[0])] + [("full", n) for n in full_ctx] + [("sekv", n) for n in sekv_ctx[1:]]
+    if a.lengths:  # the given order, method by method
+        order = [(m, n) for m in chosen for n in (sekv_ctx if m == "sekv" else full_ctx)]
+    else:  # most important first: sekv's first context, the full ladder, sekv's others
+        order = [("sekv", n) for n in sekv_ctx[:1]] + [("full", n) for n in full_ctx] + [("sekv", n) for n in sekv_ctx[1:]]
     full_failed = False
     try:
         for kind, n in order:
