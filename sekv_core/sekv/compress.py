@@ -336,4 +336,4 @@ def _factors(todo, chunks, span_len: torch.Tensor, params: SekvParams) -> dict[s
 
 
 def _parts_of(f: fz.Factors) -> dict[str, torch.Tensor]:
-    return {k: getattr(f, k) for k in ("us", "vt", "rank", "us_scale", "vt_scale") if getattr(f, k) is not None}
+    return {k: getattr(f, k) for k in merge._FACTOR_PARTS if getattr(f, k) is not None}

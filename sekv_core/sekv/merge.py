@@ -41,6 +41,7 @@ def merge_factors(parts: list[tuple[dict[str, torch.Tensor], torch.Tensor]], d: 
     pieces: dict[str, list[list[torch.Tensor]]] = {k: [] for k in _FACTOR_PARTS}
     for t, span_len in parts:
         r = t["rank"].long()
+        span_len = span_len.to(r.device)  # a layer's span chunks merged on the GPU (sekv/compress.py)
         sizes = {
             "us": (r * span_len.view(1, -1)).sum(1),
             "vt": r.sum(1) * d,
