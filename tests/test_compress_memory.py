@@ -154,3 +154,37 @@ def test_the_peak_stays_under_the_bound(setup, monkeypatch, bound):
     piece, peak = _measured(lambda: C.compress_window(res, p))
     assert peak <= bound, (peak, bound)
     assert piece.tensors["fk.0.rank"].shape[1] == C.segmentation(res, p).n_spans
+
+
+def test_out_of_memory_all_the_same_starts_the_window_again_in_smaller_chunks(setup, monkeypatch):
+    """The plan's counts are estimates: a device that cannot hold what they allowed (here: a decomposition of more
+    than 600 rows raises torch.OutOfMemoryError) gets the window again under half the bound, until it fits; the same
+    tensors.  Errors other than running out of memory are not retried."""
+    from sekv_core.sekv import factorize as fz
+
+    m, res, offloaded, p = setup
+    ref = C.compress_window(res, p)
+    real, seen = fz.factorize_many, []
+
+    def small_device(xs, span_len, **kw):
+        seen.append(int(span_len.sum()))
+        if seen[-1] > 600:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(xs, span_len, **kw)
+
+    monkeypatch.setattr(fz, "factorize_many", small_device)
+    monkeypatch.setattr(C, "free_bytes", lambda device: 8_000_000)  # whole layers at first
+    got = C.compress_window(res, p)
+    _close(got.tensors, ref.tensors)
+    assert seen[0] > 600 and max(seen[-10:]) <= 600  # whole layers failed; chunks of under 600 rows made the piece
+
+    def broken(xs, span_len, **kw):
+        raise RuntimeError("not a memory problem")
+
+    monkeypatch.setattr(fz, "factorize_many", broken)
+    with pytest.raises(RuntimeError, match="not a memory problem"):
+        C.compress_window(res, p)
+    monkeypatch.setattr(fz, "factorize_many", small_device)
+    monkeypatch.setattr(C, "OOM_RETRIES", 0)
+    with pytest.raises(torch.OutOfMemoryError):
+        C.compress_window(res, p)

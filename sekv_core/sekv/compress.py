@@ -40,6 +40,8 @@ FACTOR_WORK = 16
 #: per document token, what compress keeps on the device for the whole window (span order, span ids, weights, the
 #: scout profile's span of each token: int64s and floats)
 WINDOW_BYTES_PER_TOKEN = 64
+#: times a window's compress starts again under half its bound when the device runs out of memory all the same
+OOM_RETRIES = 3
 #: per query row and key, the float32 tensors of the scout profile's attention (scores, softmax, the in-span copy)
 PROFILE_WORK = 4
 
@@ -84,7 +86,7 @@ def plan(prefill: PrefillResult, seg: Segmentation, bound: int | None, device: t
     read = 2 * hkv * n * d * isz if _reads_layers(prefill, device) else 0
     in_flight = bound // 8
     avail = max(0, bound - read - in_flight - WINDOW_BYTES_PER_TOKEN * n)
-    fit = avail // max(FACTOR_WORK * per_layer, 1)
+    fit = (avail + read) // max(FACTOR_WORK * per_layer + read, 1)  # a group holds each of its layers as read until it is factorised
     q = _query_rows(prefill)
     profile_rows = min(q, max(1, (avail - n * d * 4) // (PROFILE_WORK * n * 4 + 4 * max(s, 1)))) if q else None
     if fit >= 1:
@@ -212,14 +214,34 @@ def compress_windows(windows, params: SekvParams, arena: torch.Tensor | None = N
 def compress_window(prefill: PrefillResult, params: SekvParams, trained=None, arena: torch.Tensor | None = None) -> merge.Piece:
     """One window's spans, full-resolution tokens, coarse entries, factors (not yet coded) and key moments, on the
     host; global positions from prefill.start.  Its working tensors on the device stay within :func:`free_bytes`
-    (:func:`plan`): layers batched while they fit, a layer's spans in chunks when one does not."""
+    (:func:`plan`): layers batched while they fit, a layer's spans in chunks when one does not.  Should the device
+    run out of memory all the same (the plan's counts are estimates), the window starts again under half the bound,
+    up to OOM_RETRIES times: the same tensors, smaller chunks."""
+    dev = _device_of(prefill)
+    bound = free_bytes(dev)
+    for attempt in range(OOM_RETRIES + 1):
+        try:
+            return _compress_window(prefill, params, trained, arena, dev, bound)
+        except Exception as e:  # noqa: BLE001 - only running out of memory is retried
+            if bound is None or attempt == OOM_RETRIES or not _out_of_memory(e):
+                raise
+        if dev.type == "cuda":  # the failed attempt's tensors went with its exception
+            torch.cuda.empty_cache()
+        bound //= 2
+    raise AssertionError("unreachable")
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    text = str(e)
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text.lower() or "ALLOC_FAILED" in text
+
+
+def _compress_window(prefill: PrefillResult, params: SekvParams, trained, arena: torch.Tensor | None, dev: torch.device, bound: int | None) -> merge.Piece:
     shape = prefill.shape
     seg = segmentation(prefill, params)
     pos, sid = seg.span_tokens()
     inv = rope.inv_freq_of(shape)
     pre = params.key_space == "pre_rope" and inv is not None
-    dev = _device_of(prefill)
-    bound = free_bytes(dev)
     todo = plan(prefill, seg, bound, dev)
     out = _window_tensors(prefill, params, seg, todo.profile_rows)
     weights = span_weights(prefill.surprisal, pos, sid, seg.n_spans, params.weighting).to(dev)
@@ -229,21 +251,25 @@ def compress_window(prefill: PrefillResult, params: SekvParams, trained=None, ar
     copies = HostCopies(dev, arena if dev.type == "cuda" else None)
     host = {k: t for k, t in out.items() if t.device.type == "cpu"}
     ctx = (pos.to(dev), sid.to(dev), weights, seg.full_idx.to(dev), seg.span_len, rot, trained)
-    for l0 in range(0, shape.n_layers, todo.group):
-        out, units = {}, []
-        for li in range(l0, min(shape.n_layers, l0 + todo.group)):
-            tensors, inputs = _layer_tensors(prefill, params, li, todo.chunks, *ctx)
-            out.update(tensors)
-            units += [(li, c, x) for c, x in inputs]
-            if len(todo.chunks) > 1:  # a layer in span chunks: each chunk's factors made (and its inputs freed) in turn
+    try:
+        for l0 in range(0, shape.n_layers, todo.group):
+            out, units = {}, []
+            for li in range(l0, min(shape.n_layers, l0 + todo.group)):
+                tensors, inputs = _layer_tensors(prefill, params, li, todo.chunks, *ctx)
+                out.update(tensors)
+                units += [(li, c, x) for c, x in inputs]
+                if len(todo.chunks) > 1:  # a layer in span chunks: each chunk's factors made (and its inputs freed) in turn
+                    out.update(_factors(units, todo.chunks, seg.span_len, params))
+                    units = []
+            if units:
                 out.update(_factors(units, todo.chunks, seg.span_len, params))
-                units = []
-        if units:
-            out.update(_factors(units, todo.chunks, seg.span_len, params))
-        copies.submit(out)  # to the host while the next group computes; the device tensors go when they are there
-        host.update({k: t for k, t in out.items() if t.device.type == "cpu"})
-        copies.wait(todo.in_flight)
-        del out, units
+            copies.submit(out)  # to the host while the next group computes; the device tensors go when they are there
+            host.update({k: t for k, t in out.items() if t.device.type == "cpu"})
+            copies.wait(todo.in_flight)
+            del out, units
+    except BaseException:
+        copies.wait(0)  # nothing still writing into the arena when a retry starts over it
+        raise
     return merge.Piece(prefill.start, prefill.n_tokens, seg, to_host(host, copies))
 
 
