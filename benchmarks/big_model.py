@@ -14,8 +14,14 @@ peak GPU memory beyond the weights (ingest; open + ask), pack size, open time, T
 (the pack's file just written, so read from the page cache), decode ms/token, resident KV / full KV.  The JSON at
 ``--out`` is rewritten after every cell.
 
+``--methods`` / ``--lengths`` choose the cells (in the given order); a sekv cell's row also records its compress
+plans (sekv/compress.py: the memory bound, layer group, span chunks a layer).
+
     python -m benchmarks.big_model --out "$OUT/big_model.json" --time-limit 540        # one H200
+    python -m benchmarks.big_model --methods sekv --lengths 131072,32768,65536 --out "$OUT/sekv.json" --time-limit 540
     python -m benchmarks.big_model --shape tiny --out /tmp/big_model_tiny.json         # the same code on a CPU
+    python -m benchmarks.big_model --shape tiny --methods sekv --lengths 1024,4096 --compress-bound 1500000 \
+        --offload-kv on --out /tmp/big_model_tiny.json                                 # compress's GPU chunking on a CPU
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ SHAPES = {
 #: per shape: the sekv contexts (0: the window less the question's reserve; first: the most important), the full ladder
 PLAN = {"70b": ([0, 32768, 65536], [8192, 16384, 32768, 65536]), "tiny": ([0, 1024, 2048], [512, 1024, 2048])}
 METHODS = ("sekv", "full")
+PLANS: list[dict] = []  # sekv compress's plans of the running cell (sekv/compress.py plan)
 QUESTION = "What does the keeper's log say about the storm and the lamp?"
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
@@ -202,7 +209,10 @@ def cell(kind: str, n_target: int, lm, tok, gpu: Gpu, work: Path, a) -> dict:
         else:
             row["kv_offloaded"] = offload
         budget = a.budget if kind == "sekv" else None
+        PLANS.clear()
         info = sekv.ingest(doc, pack, method=kind, budget=budget, model=lm, offload_kv=offload)
+        if PLANS:  # sekv's compress: its bound, layer group and span chunks a layer, per attempt (a retry after running out of memory halves the bound)
+            row["compress_plans"] = list(PLANS)
         row.update(n_tokens=info.n_tokens, ingest_s=round(info.total_s, 2), prefill_s=round(info.prefill_s, 2), compress_s=round(info.compress_s, 2),
                    write_s=round(info.write_s, 2), pack_gib=round(info.pack_bytes / GiB, 3), raw_kv_fp16_gib=round(info.raw_kv_fp16_bytes / GiB, 3),
                    ingest_peak_gib_beyond_weights=gpu.peak_beyond_weights_gib(), ingest_peak_per_gpu=gpu.per_gpu(), windows=info.windows)
@@ -278,10 +288,19 @@ def main(argv=None) -> None:
         ap.error(f"--methods: give some of {', '.join(METHODS)}")
     sekv_ctx = sekv_ctx if "sekv" in chosen else []
     full_ctx = full_ctx if "full" in chosen else []
-    if a.compress_bound is not None:
-        from sekv_core.sekv import compress
+    from sekv_core.sekv import compress
 
+    if a.compress_bound is not None:
         compress.free_bytes = lambda device: a.compress_bound
+    planned = compress.plan
+
+    def plan(prefill, seg, bound, device):  # what each compress attempt chose, into the cell's row
+        p = planned(prefill, seg, bound, device)
+        PLANS.append({"bound_mib": None if bound is None else round(bound / (1 << 20), 1), "group": p.group, "span_chunks": len(p.chunks),
+                      "profile_rows": p.profile_rows})
+        return p
+
+    compress.plan = plan
     cuda = torch.cuda.is_available()
     devices = [torch.device(f"cuda:{i}") if cuda else torch.device("cpu") for i in range(max(1, a.gpus))]
     device = devices[0]
