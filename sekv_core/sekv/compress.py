@@ -69,9 +69,10 @@ class Plan:
 def plan(prefill: PrefillResult, seg: Segmentation, bound: int | None, device: torch.device) -> Plan:
     """The layer group and span chunks of a window's compress.  ``bound`` None: as many layers a group as
     FACTOR_GROUP_BYTES allows (one on the CPU), every layer at once.  Otherwise, out of ``bound`` bytes: the layer
-    read onto the device (when the KV is elsewhere: the host), an eighth for results on their way to the host, and
-    the window's per-token tensors, and the rest for factor work (FACTOR_WORK times the float32 inputs): whole layers, as many as fit (at most
-    FACTOR_GROUP_BYTES of inputs), or one layer's spans in chunks of as many rows as fit (one span at least)."""
+    read onto the device (when the KV is elsewhere: the host), an eighth for results on their way to the host, the
+    window's per-token tensors, and the rest for factor work (FACTOR_WORK times the float32 inputs): whole layers,
+    as many as fit (at most FACTOR_GROUP_BYTES of inputs), or one layer's spans in chunks of as many rows as fit
+    (one span at least)."""
     shape = prefill.shape
     hkv, d, n = shape.n_kv_heads, shape.head_dim, prefill.n_tokens
     span_len = seg.span_len.long()
@@ -236,7 +237,8 @@ def _out_of_memory(e: BaseException) -> bool:
     return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text.lower() or "ALLOC_FAILED" in text
 
 
-def _compress_window(prefill: PrefillResult, params: SekvParams, trained, arena: torch.Tensor | None, dev: torch.device, bound: int | None) -> merge.Piece:
+def _compress_window(prefill: PrefillResult, params: SekvParams, trained, arena: torch.Tensor | None, dev: torch.device,
+                     bound: int | None) -> merge.Piece:
     shape = prefill.shape
     seg = segmentation(prefill, params)
     pos, sid = seg.span_tokens()
