@@ -219,6 +219,8 @@ def compress_window(prefill: PrefillResult, params: SekvParams, trained=None, ar
     run out of memory all the same (the plan's counts are estimates), the window starts again under half the bound,
     up to OOM_RETRIES times: the same tensors, smaller chunks."""
     dev = _device_of(prefill)
+    if dev.type == "cuda":  # the prefill's cached blocks back to the driver: compress's own sizes, less fragmentation
+        torch.cuda.empty_cache()
     bound = free_bytes(dev)
     for attempt in range(OOM_RETRIES + 1):
         try:
