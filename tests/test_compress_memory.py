@@ -156,10 +156,10 @@ def test_the_peak_stays_under_the_bound(setup, monkeypatch, bound):
     assert piece.tensors["fk.0.rank"].shape[1] == C.segmentation(res, p).n_spans
 
 
-def test_out_of_memory_all_the_same_starts_the_window_again_in_smaller_chunks(setup, monkeypatch):
+def test_out_of_memory_all_the_same_runs_the_step_again_in_smaller_chunks(setup, monkeypatch):
     """The plan's counts are estimates: a device that cannot hold what they allowed (here: a decomposition of more
-    than 600 rows raises torch.OutOfMemoryError) gets the window again under half the bound, until it fits; the same
-    tensors.  Errors other than running out of memory are not retried."""
+    than 600 rows raises torch.OutOfMemoryError) gets the failed step again under half the bound, until it fits; the
+    same tensors.  Errors other than running out of memory are not retried."""
     from sekv_core.sekv import factorize as fz
 
     m, res, offloaded, p = setup
@@ -188,3 +188,29 @@ def test_out_of_memory_all_the_same_starts_the_window_again_in_smaller_chunks(se
     monkeypatch.setattr(C, "OOM_RETRIES", 0)
     with pytest.raises(torch.OutOfMemoryError):
         C.compress_window(res, p)
+
+
+def test_out_of_memory_in_a_later_layer_keeps_the_layers_already_made(setup, monkeypatch):
+    """Running out of memory at the last layer redoes that layer only (under half the bound), not the window: one
+    decomposition a layer, plus the failed one (a restart of the window would decompose layers 0 and 1 again)."""
+    from sekv_core.sekv import factorize as fz
+
+    m, res, offloaded, p = setup
+    ref = C.compress_window(res, p)
+    real, calls, events = fz.factorize_many, [], []
+
+    def fails_once_at_the_last_layer(xs, span_len, **kw):
+        calls.append(int(span_len.sum()))
+        if len(calls) == res.shape.n_layers:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(xs, span_len, **kw)
+
+    monkeypatch.setattr(fz, "factorize_many", fails_once_at_the_last_layer)
+    monkeypatch.setattr(C, "free_bytes", lambda device: 64_000_000)  # whole layers, one a group (the CPU), at both bounds
+    monkeypatch.setattr(C, "PROGRESS", lambda event, **info: events.append((event, info)))
+    got = C.compress_window(res, p)
+    _close(got.tensors, ref.tensors)
+    assert len(calls) == res.shape.n_layers + 1 and len(set(calls)) == 1
+    retries = [info for e, info in events if e == "retry"]
+    assert len(retries) == 1 and retries[0]["bound"] == 32_000_000
+    assert [info["done"] for e, info in events if e == "layers"] == list(range(1, res.shape.n_layers + 1))

@@ -44,6 +44,16 @@ WINDOW_BYTES_PER_TOKEN = 64
 OOM_RETRIES = 3
 #: per query row and key, the float32 tensors of the scout profile's attention (scores, softmax, the in-span copy)
 PROFILE_WORK = 4
+#: None, or a callable(event, **info) told where compress is (benchmarks/big_model.py's stage log): "window" (a
+#: window's prefill done, its plan made), "profile" (its scout profiles made), "layers" (a layer group's factors made:
+#: ``done`` layers of ``of``), "window_done", "merge" (``done`` layers merged), "merge_done".  It may raise to stop
+#: compress there (a benchmark's time cap): the exception propagates as any other
+PROGRESS = None
+
+
+def _progress(event: str, **info) -> None:
+    if PROGRESS is not None:
+        PROGRESS(event, **info)
 
 
 def free_bytes(device: torch.device) -> int | None:
@@ -209,29 +219,22 @@ def compress_windows(windows, params: SekvParams, arena: torch.Tensor | None = N
         shape, n_doc, dev = prefill.shape, prefill.doc_tokens or prefill.n_tokens, _device_of(prefill)
         del prefill  # one window's KV at a time
     with fz.single_thread():
-        return merge.merge(pieces, moments, params, shape, n_doc, lex, trained, dev)
+        out = merge.merge(pieces, moments, params, shape, n_doc, lex, trained, dev, on_layer=lambda li: _progress("merge", done=li + 1, of=shape.n_layers))
+    _progress("merge_done")
+    return out
 
 
 def compress_window(prefill: PrefillResult, params: SekvParams, trained=None, arena: torch.Tensor | None = None) -> merge.Piece:
     """One window's spans, full-resolution tokens, coarse entries, factors (not yet coded) and key moments, on the
     host; global positions from prefill.start.  Its working tensors on the device stay within :func:`free_bytes`
     (:func:`plan`): layers batched while they fit, a layer's spans in chunks when one does not.  Should the device
-    run out of memory all the same (the plan's counts are estimates), the window starts again under half the bound,
-    up to OOM_RETRIES times: the same tensors, smaller chunks."""
+    run out of memory all the same (the plan's counts are estimates), the step that failed (the scout profiles, or
+    one layer group) runs again under half the bound, up to OOM_RETRIES times a window: the same tensors, smaller
+    chunks; the layer groups already made are kept."""
     dev = _device_of(prefill)
     if dev.type == "cuda":  # the prefill's cached blocks back to the driver: compress's own sizes, less fragmentation
         torch.cuda.empty_cache()
-    bound = free_bytes(dev)
-    for attempt in range(OOM_RETRIES + 1):
-        try:
-            return _compress_window(prefill, params, trained, arena, dev, bound)
-        except Exception as e:  # noqa: BLE001 - only running out of memory is retried
-            if bound is None or attempt == OOM_RETRIES or not _out_of_memory(e):
-                raise
-        if dev.type == "cuda":  # the failed attempt's tensors went with its exception
-            torch.cuda.empty_cache()
-        bound //= 2
-    raise AssertionError("unreachable")
+    return _compress_window(prefill, params, trained, arena, dev, free_bytes(dev))
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -247,34 +250,81 @@ def _compress_window(prefill: PrefillResult, params: SekvParams, trained, arena:
     inv = rope.inv_freq_of(shape)
     pre = params.key_space == "pre_rope" and inv is not None
     todo = plan(prefill, seg, bound, dev)
-    out = _window_tensors(prefill, params, seg, todo.profile_rows)
+    _progress("window", start=prefill.start, tokens=prefill.n_tokens, bound=bound, group=todo.group, span_chunks=len(todo.chunks),
+              profile_rows=todo.profile_rows)
+    copies = HostCopies(dev, arena if dev.type == "cuda" else None)
+    retries = OOM_RETRIES
+
+    def smaller(e: BaseException) -> bool:  # whether a step that raised e runs again (under half the bound)
+        return bound is not None and retries > 0 and _out_of_memory(e)
+
+    def shrink() -> Plan:  # after the failed step's tensors went with its exception
+        nonlocal bound, retries
+        copies.wait(0)  # the results still on their way to the host: their device memory back first
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        bound, retries = bound // 2, retries - 1
+        p = plan(prefill, seg, bound, dev)
+        _progress("retry", bound=bound, group=p.group, span_chunks=len(p.chunks), profile_rows=p.profile_rows)
+        return p
+
+    out = None
+    while out is None:
+        try:
+            out = _window_tensors(prefill, params, seg, todo.profile_rows)
+        except Exception as e:  # noqa: BLE001 - only running out of memory is retried
+            if not smaller(e):
+                raise
+        if out is None:
+            todo = shrink()
+    _progress("profile")
     weights = span_weights(prefill.surprisal, pos, sid, seg.n_spans, params.weighting).to(dev)
     rot = None
     if pre:  # the keys are at their global positions: RoPE's cos / sin of a chunk's rows made with its inputs
         rot = (pos + prefill.start, inv, shape.rope_attention_scaling, _kv_dtype(prefill))
-    copies = HostCopies(dev, arena if dev.type == "cuda" else None)
     host = {k: t for k, t in out.items() if t.device.type == "cpu"}
     ctx = (pos.to(dev), sid.to(dev), weights, seg.full_idx.to(dev), seg.span_len, rot, trained)
+    l0 = 0
     try:
-        for l0 in range(0, shape.n_layers, todo.group):
-            out, units = {}, []
-            for li in range(l0, min(shape.n_layers, l0 + todo.group)):
-                tensors, inputs = _layer_tensors(prefill, params, li, todo.chunks, *ctx)
-                out.update(tensors)
-                units += [(li, c, x) for c, x in inputs]
-                if len(todo.chunks) > 1:  # a layer in span chunks: each chunk's factors made (and its inputs freed) in turn
-                    out.update(_factors(units, todo.chunks, seg.span_len, params))
-                    units = []
-            if units:
-                out.update(_factors(units, todo.chunks, seg.span_len, params))
+        while l0 < shape.n_layers:
+            l1 = min(shape.n_layers, l0 + todo.group)
+            out = None
+            try:
+                out = _group_tensors(prefill, params, range(l0, l1), todo.chunks, seg.span_len, ctx)
+            except Exception as e:  # noqa: BLE001 - only running out of memory is retried
+                if not smaller(e):
+                    raise
+            if out is None:
+                todo = shrink()
+                continue
             copies.submit(out)  # to the host while the next group computes; the device tensors go when they are there
             host.update({k: t for k, t in out.items() if t.device.type == "cpu"})
             copies.wait(todo.in_flight)
-            del out, units
+            del out
+            l0 = l1
+            _progress("layers", done=l1, of=shape.n_layers)
     except BaseException:
-        copies.wait(0)  # nothing still writing into the arena when a retry starts over it
+        copies.wait(0)  # nothing still writing into the arena when the error propagates
         raise
-    return merge.Piece(prefill.start, prefill.n_tokens, seg, to_host(host, copies))
+    piece = merge.Piece(prefill.start, prefill.n_tokens, seg, to_host(host, copies))
+    _progress("window_done")
+    return piece
+
+
+def _group_tensors(prefill: PrefillResult, params: SekvParams, layers: range, chunks, span_len: torch.Tensor, ctx) -> dict[str, torch.Tensor]:
+    """The tensors of a group of layers (:func:`_layer_tensors` and their factors): the group's factors from one
+    batched decomposition, or, a layer in span chunks, each chunk's in turn."""
+    out, units = {}, []
+    for li in layers:
+        tensors, inputs = _layer_tensors(prefill, params, li, chunks, *ctx)
+        out.update(tensors)
+        units += [(li, c, x) for c, x in inputs]
+        if len(chunks) > 1:  # a layer in span chunks: each chunk's factors made (and its inputs freed) in turn
+            out.update(_factors(units, chunks, span_len, params))
+            units = []
+    if units:
+        out.update(_factors(units, chunks, span_len, params))
+    return out
 
 
 def _window_tensors(prefill: PrefillResult, params: SekvParams, seg: Segmentation, rows: int | None = None) -> dict[str, torch.Tensor]:
