@@ -214,3 +214,22 @@ def test_out_of_memory_in_a_later_layer_keeps_the_layers_already_made(setup, mon
     retries = [info for e, info in events if e == "retry"]
     assert len(retries) == 1 and retries[0]["bound"] == 32_000_000
     assert [info["done"] for e, info in events if e == "layers"] == list(range(1, res.shape.n_layers + 1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_merge_codes_factors_on_cuda_as_on_the_cpu(setup):
+    """merge.encode_factors on a GPU (what sekv ingest does there) gives the host codec's bytes exactly."""
+    from sekv_core.sekv import merge
+
+    m, res, offloaded, p = setup
+    piece = C.compress_window(res, p)
+    span_len = piece.seg.span_len
+    kcfg, vcfg = C.codec_configs(p)
+    for kind, cfg in (("fk", kcfg), ("fv", vcfg)):
+        for li in range(res.shape.n_layers):
+            parts = [({k: piece.tensors[f"{kind}.{li}.{k}"] for k in merge._FACTOR_PARTS if f"{kind}.{li}.{k}" in piece.tensors}, span_len)]
+            f = merge.merge_factors(parts, res.shape.head_dim)
+            cpu, gpu = merge.encode_factors(f, span_len, res.shape.head_dim, cfg), merge.encode_factors(f, span_len, res.shape.head_dim, cfg, "cuda")
+            assert set(cpu) == set(gpu)
+            for k in cpu:
+                assert gpu[k].device.type == "cpu" and torch.equal(cpu[k], gpu[k]), (kind, li, k)

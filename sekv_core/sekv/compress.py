@@ -100,6 +100,8 @@ def plan(prefill: PrefillResult, seg: Segmentation, bound: int | None, device: t
     fit = (avail + read) // max(FACTOR_WORK * per_layer + read, 1)  # a group holds each of its layers as read until it is factorised
     q = _query_rows(prefill)
     profile_rows = min(q, max(1, (avail - n * d * 4) // (PROFILE_WORK * n * 4 + 4 * max(s, 1)))) if q else None
+    if profile_rows == q and avail >= hkv * n * d * 4 + q * (PROFILE_WORK * n * 4 + 4 * max(s, 1)):
+        profile_rows = None  # every head's rows at once fit (their keys in float32 too): the unbounded path's launches
     if fit >= 1:
         return Plan(min(group, fit), whole, profile_rows, in_flight)
     budget_rows = avail // (FACTOR_WORK * 2 * hkv * d * 4)
@@ -280,8 +282,16 @@ def _compress_window(prefill: PrefillResult, params: SekvParams, trained, arena:
     _progress("profile")
     weights = span_weights(prefill.surprisal, pos, sid, seg.n_spans, params.weighting).to(dev)
     rot = None
-    if pre:  # the keys are at their global positions: RoPE's cos / sin of a chunk's rows made with its inputs
-        rot = (pos + prefill.start, inv, shape.rope_attention_scaling, _kv_dtype(prefill))
+    if pre:  # the keys are at their global positions: RoPE's cos / sin of rows p0:p1 (span order) on the device
+        gpos, scaling, dt, whole = pos + prefill.start, shape.rope_attention_scaling, _kv_dtype(prefill), []
+
+        def rot(p0: int, p1: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if p0 == 0 and p1 == gpos.numel():  # whole layers: the window's made once (a chunk's with its inputs)
+                if not whole:
+                    whole.extend(t.to(dev) for t in rope.cos_sin(gpos, inv, scaling, dtype=dt))
+                return whole[0], whole[1]
+            c, s_ = rope.cos_sin(gpos[p0:p1], inv, scaling, dtype=dt)
+            return c.to(dev), s_.to(dev)
     host = {k: t for k, t in out.items() if t.device.type == "cpu"}
     ctx = (pos.to(dev), sid.to(dev), weights, seg.full_idx.to(dev), seg.span_len, rot, trained)
     l0 = 0
@@ -365,9 +375,8 @@ def _layer_tensors(prefill: PrefillResult, params: SekvParams, li: int, chunks, 
 
     def inputs(s0, s1, p0, p1):
         kx = k[:, pos[p0:p1]].float()
-        if rot is not None:  # (global positions of the rows in span order, inv_freq, scaling, dtype)
-            gpos, inv, scaling, dt = rot
-            kx = rope.undo(kx, *(t.to(kx.device) for t in rope.cos_sin(gpos[p0:p1], inv, scaling, dtype=dt)))
+        if rot is not None:  # RoPE undone: cos / sin of the rows (compress's rot)
+            kx = rope.undo(kx, *rot(p0, p1))
         keep_k = keep_v = None
         if gated:
             keep_k = trained.gate.keep(kbar[:, s0:s1].float(), span_len[s0:s1], False, depth)
