@@ -383,7 +383,7 @@ def main(argv=None) -> None:
     ap.add_argument("--time-limit", type=float, default=540.0, help="seconds: cells that would not finish in them are skipped, a running one "
                     "is abandoned 10 s before")
     ap.add_argument("--cell-limit", type=float, default=None, help="seconds a cell may take: past them it is abandoned (an error row naming "
-                    "its stage) and the next cell runs")
+                    "its stage) and the next cell runs; with it, cells are not skipped by an estimate of their time")
     ap.add_argument("--stage-log", default=None, help="a file that gets one JSON line per stage of every cell as it ends (flushed)")
     ap.add_argument("--budget", type=float, default=0.1)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -494,7 +494,7 @@ def main(argv=None) -> None:
                 save()
                 continue
             left = a.time_limit - (time.perf_counter() - t_start)
-            need = estimate_s(result["cells"], n)
+            need = estimate_s(result["cells"], n) if a.cell_limit is None else 30.0  # with a cap: run while 30 s are left, abandon at the cap
             if need > left:
                 result["skipped"].append({"method": kind, "target_tokens": n, "why": f"time: ~{need:.0f} s needed, {left:.0f} s left"})
                 save()
