@@ -137,8 +137,8 @@ def merge(pieces: list[Piece], moments: list[torch.Tensor], params: SekvParams, 
 
 def encode_factors(f: fz.Factors, span_len: torch.Tensor, d: int, cfg: dict, device=None) -> dict[str, torch.Tensor]:
     """codec.encode_factors of a layer's merged (host) factors -> host tensors.  On a CUDA ``device`` the codes are
-    made there: the CPU codes ~15-20 M elements/s on one thread, ~5 minutes for the 160 factor tensors of a 70B
-    model at 128K tokens (benchmarks/compress_ops.py --merge).  The same codes: the codec's steps on the int8
+    made there: the CPU codes ~15-20 M elements/s on one thread, 5-10 minutes for the 160 factor tensors of a 70B
+    model at 128K tokens (benchmarks/compress_ops.py's coded_per_s, docs/multi-gpu.md).  The same codes: the codec's steps on the int8
     factors are integer arithmetic, comparisons and IEEE float32 divisions, exact on both; the row scales' log8
     codes (log2, whose last bit may differ between libraries) stay on the host, as the layout's cheap part."""
     if device is None or torch.device(device).type != "cuda" or f.us_scale is None:
