@@ -7,15 +7,29 @@ ingest's prefill keeps it in host memory chunk by chunk (sekv_core/kv_offload.py
 would not fit) and every cell goes through what `sekv ingest` / `sekv ask` run: ``sekv.ingest`` writes a pack to
 disk, ``sekv.open`` reads it, ``Pack.ask`` answers.  Random weights are honest for memory and speed, not quality.
 
-Cells, most important first (``--time-limit`` skips what would not finish): sekv at ~128K (the document fills the
-window less the question's reserve), the `full` ladder (8K, 16K, 32K, 64K: stops at the first that fails, out of
-memory), sekv at 32K and 64K.  Per cell: ingest time (prefill / compress / write), whether the KV was offloaded,
-peak GPU memory beyond the weights (ingest; open + ask), pack size, open time, TTFT of a first and a second ask
-(the pack's file just written, so read from the page cache), decode ms/token, resident KV / full KV.  The JSON at
-``--out`` is rewritten after every cell.
+Cells, shortest first (``--time-limit`` skips what would not finish): the `full` ladder (8K, 16K, 32K, 64K: stops at
+the first that fails, out of memory) and sekv at 32K, 64K and ~128K (the document fills the window less the question's
+reserve).  Per cell: ingest time (prefill / compress / write), whether the KV was offloaded, peak GPU memory beyond
+the weights (ingest; open + ask), pack size, open time, TTFT of a first and a second ask (the pack's file just
+written, so read from the page cache), decode ms/token, resident KV / full KV.
+
+A run that is cut leaves its evidence: the JSON at ``--out`` is rewritten at the end of every stage of every cell
+(document, prefill, compress's scout profiles, every ~10 layers of its factors, every ~10 layers of the merge, write,
+open, first and second ask; the running cell under ``running``, with each stage's seconds and compress's plans),
+``--stage-log FILE`` gets one JSON line a stage (flushed to disk), and stderr one line a stage.  ``--cell-limit``
+caps a cell's seconds (and ``--time-limit`` the run's): a cell past its cap is abandoned at its next checkpoint (a
+stage's end, a prefill chunk or decode step, a compress layer group) with an error row naming the stage it was in,
+and the next cells run.
+
+``--methods`` / ``--lengths`` choose the cells (in the given order); a sekv cell's row also records its compress
+plans (sekv/compress.py: the memory bound, layer group, span chunks a layer).
 
     python -m benchmarks.big_model --out "$OUT/big_model.json" --time-limit 540        # one H200
+    python -m benchmarks.big_model --methods sekv --lengths 32768,131072 --out "$OUT/sekv.json" --stage-log "$OUT/stages.jsonl" \
+        --time-limit 500 --cell-limit 300
     python -m benchmarks.big_model --shape tiny --out /tmp/big_model_tiny.json         # the same code on a CPU
+    python -m benchmarks.big_model --shape tiny --methods sekv --lengths 1024,4096 --compress-bound 1500000 \
+        --offload-kv on --out /tmp/big_model_tiny.json                                 # compress's GPU chunking on a CPU
 """
 
 from __future__ import annotations
@@ -26,6 +40,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -42,8 +57,10 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                  vocab_size=None, max_position_embeddings=4096, rope_theta=500000.0, original_window=512),
 }
-#: per shape: the sekv contexts (first: the long one), the full ladder
-PLAN = {"70b": ([0, 32768, 65536], [8192, 16384, 32768, 65536]), "tiny": ([0, 1024, 2048], [512, 1024, 2048])}
+#: per shape: the sekv contexts (0: the window less the question's reserve), the full ladder
+PLAN = {"70b": ([32768, 65536, 0], [8192, 16384, 32768, 65536]), "tiny": ([1024, 2048, 0], [512, 1024, 2048])}
+METHODS = ("sekv", "full")
+PLANS: list[dict] = []  # sekv compress's plans of the running cell (sekv/compress.py plan)
 QUESTION = "What does the keeper's log say about the storm and the lamp?"
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
@@ -181,16 +198,113 @@ def out_of_memory(e: BaseException) -> bool:
     return False
 
 
-def cell(kind: str, n_target: int, lm, tok, gpu: Gpu, work: Path, a) -> dict:
-    """One ingest + open + two asks through the API (the CLI's path), timed."""
+class CellTimeout(Exception):
+    """A cell past its time cap (raised at its next checkpoint)."""
+
+
+class Stages:
+    """Where the running cell is.  Each stage's end is recorded in the cell's row (``stages``: name, seconds, run
+    time at its end), saved to the JSON (``save``), appended to the stage log and printed to stderr, so a run that
+    is cut shows where its time went.  :meth:`check` raises CellTimeout past the cell's deadline."""
+
+    def __init__(self, save, log_path: str | None, t_start: float):
+        self.save, self.t_start = save, t_start
+        self.log = open(log_path, "a") if log_path else None
+        self.row: dict | None = None
+        self.name, self.since, self.deadline, self.fired, self.chunks = None, 0.0, None, None, 0
+
+    def begin(self, row: dict, deadline: float) -> None:
+        self.row, self.deadline, self.fired, self.chunks = row, deadline, None, 0
+        row["stages"] = []
+        self.name, self.since = None, time.perf_counter()
+
+    def _line(self, what: str, info: dict) -> None:
+        now = time.perf_counter()
+        rec = {"at_s": round(now - self.t_start, 1), "cell": f"{self.row['method']} {self.row['target_tokens']}" if self.row else None,
+               "event": what} | info
+        print(f"[{rec['at_s']:7.1f} s] {rec['cell']}: {what} {json.dumps(info)}", file=sys.stderr, flush=True)
+        if self.log is not None:
+            self.log.write(json.dumps(rec) + "\n")
+            self.log.flush()
+            os.fsync(self.log.fileno())
+
+    def stage(self, name: str | None, **info) -> None:
+        """The current stage ends (its seconds recorded, the JSON saved); ``name`` begins (None: the cell is over)."""
+        now = time.perf_counter()
+        if self.name is not None and self.row is not None:
+            done = {"stage": self.name, "s": round(now - self.since, 2), "at_s": round(now - self.t_start, 1)} | info
+            self.row["stages"].append(done)
+            self._line(f"{self.name} done", {k: v for k, v in done.items() if k not in ("stage", "at_s")})
+            self.save()
+        self.name, self.since = name, now
+        if name is not None:
+            self.check()
+
+    def event(self, what: str, **info) -> None:
+        """A checkpoint inside a stage (a compress layer group, a merge layer): logged, saved, the deadline checked."""
+        if self.row is not None:
+            rec = {"event": what, "at_s": round(time.perf_counter() - self.t_start, 1), "stage_s": round(time.perf_counter() - self.since, 2)} | info
+            self.row.setdefault("events", []).append(rec)
+            self._line(what, {k: v for k, v in rec.items() if k not in ("event", "at_s")})
+            self.save()
+        self.check()
+
+    def check(self) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return  # never inside a CUDA graph's capture: the next checkpoint
+        if self.deadline is not None and self.fired is None and time.perf_counter() > self.deadline:
+            self.fired = self.name or "?"
+            raise CellTimeout(f"the cell's time cap passed during {self.fired}")
+
+    def compress(self, event: str, **info) -> None:
+        """sekv/compress.py's PROGRESS: its stages and every ~10 layers of its factors and of the merge."""
+        if event == "window":
+            self.stage("compress.profile", **({"window_start": info["start"]} if info.get("start") else {}))
+            info = dict(info, bound_mib=None if info.get("bound") is None else round(info.pop("bound") / (1 << 20), 1))
+            self.event("compress.plan", **info)
+        elif event == "profile":
+            self.stage("compress.layers")
+        elif event == "retry":
+            self.event("compress.retry", **dict(info, bound=round(info["bound"] / (1 << 20), 1)))
+        elif event in ("layers", "merge"):
+            if info["done"] % 10 == 0 or info["done"] == info["of"]:
+                self.event(f"compress.{event}", done=info["done"], of=info["of"])
+            else:
+                self.check()
+        elif event == "window_done":
+            self.stage("compress.merge")
+        elif event == "merge_done":
+            self.stage("compress.finish")
+
+    def forward(self, *_args) -> None:
+        """A forward of the model's first layer (a prefill chunk, a decode step): the deadline checked; during the
+        prefill each chunk logged."""
+        if self.name == "prefill":
+            self.chunks += 1
+            self.event("prefill.chunk", started=self.chunks)
+        else:
+            self.check()
+
+
+def cell(kind: str, n_target: int, lm, tok, gpu: Gpu, work: Path, a, st: Stages) -> dict:
+    """One ingest + open + two asks through the API (the CLI's path), timed, its stages recorded in ``st``."""
     import sekv
 
     row: dict = {"method": kind, "target_tokens": n_target, "ok": False}
-    doc = document(tok, n_target - PROMPT_TOKENS, work / f"doc-{kind}-{n_target}.txt")
+    cap = min(a.cell_limit or float("inf"), a.time_limit - (time.perf_counter() - st.t_start) - 10)
+    st.begin(row, time.perf_counter() + cap)
+    row["cap_s"] = round(cap, 1)
+    doc = work / f"doc-{kind}-{n_target}.txt"
     pack = work / f"doc-{kind}-{n_target}.sekv"
     offload = {"auto": None, "on": True, "off": False}[a.offload_kv]
     t0 = time.perf_counter()
+    alarm = signal.signal(signal.SIGALRM, lambda *_: st.check()) if hasattr(signal, "SIGALRM") else None
     try:
+        if alarm is not None:  # a backstop for a stage without checkpoints: the deadline checked every 5 s
+            signal.setitimer(signal.ITIMER_REAL, 5.0, 5.0)
+        st.stage("document")
+        document(tok, n_target - PROMPT_TOKENS, doc)
+        st.stage("prefill")
         gpu.reset()
         if offload is None:  # what the prefill will decide (sekv_core/prefill.py)
             from sekv_core import kv_offload, placement
@@ -201,7 +315,11 @@ def cell(kind: str, n_target: int, lm, tok, gpu: Gpu, work: Path, a) -> dict:
         else:
             row["kv_offloaded"] = offload
         budget = a.budget if kind == "sekv" else None
+        PLANS.clear()
         info = sekv.ingest(doc, pack, method=kind, budget=budget, model=lm, offload_kv=offload)
+        st.stage("open", ingest_s=round(info.total_s, 2), prefill_s=round(info.prefill_s, 2), compress_s=round(info.compress_s, 2), write_s=round(info.write_s, 2))
+        if PLANS:  # sekv's compress: its bound, layer group and span chunks a layer, per attempt (a retry after running out of memory halves the bound)
+            row["compress_plans"] = list(PLANS)
         row.update(n_tokens=info.n_tokens, ingest_s=round(info.total_s, 2), prefill_s=round(info.prefill_s, 2), compress_s=round(info.compress_s, 2),
                    write_s=round(info.write_s, 2), pack_gib=round(info.pack_bytes / GiB, 3), raw_kv_fp16_gib=round(info.raw_kv_fp16_bytes / GiB, 3),
                    ingest_peak_gib_beyond_weights=gpu.peak_beyond_weights_gib(), ingest_peak_per_gpu=gpu.per_gpu(), windows=info.windows)
@@ -209,8 +327,11 @@ def cell(kind: str, n_target: int, lm, tok, gpu: Gpu, work: Path, a) -> dict:
         t1 = time.perf_counter()
         p = sekv.open(pack, model=lm)
         row["open_s"] = round(time.perf_counter() - t1, 2)
+        st.stage("ask.first")
         first = p.ask(QUESTION, max_new_tokens=a.new_tokens)
+        st.stage("ask.second", ttft_s=round(first.timings.ttft_s, 3))
         second = p.ask(QUESTION, max_new_tokens=a.new_tokens)
+        st.stage(None, ttft_s=round(second.timings.ttft_s, 3))
         row.update(
             ttft_first_s=round(first.timings.ttft_s, 3), ttft_s=round(second.timings.ttft_s, 3),
             decode_ms_per_token=round(1000 / second.timings.tokens_per_s, 2) if second.timings.tokens_per_s else None,
@@ -222,11 +343,20 @@ def cell(kind: str, n_target: int, lm, tok, gpu: Gpu, work: Path, a) -> dict:
         )
         del p, first, second
     except Exception as e:  # noqa: BLE001 - every failure is a result of the cell
+        if alarm is not None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
         row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}", out_of_memory=out_of_memory(e),
-                   peak_gib_beyond_weights_at_failure=gpu.peak_beyond_weights_gib())
+                   peak_gib_beyond_weights_at_failure=gpu.peak_beyond_weights_gib(), failed_in=st.name)
+        if st.fired is not None:
+            row.update(timed_out=True, error=f"abandoned: the cell's cap of {cap:g} s passed during {st.fired}")
+        st.stage(None, failed=True)
         e = None  # noqa: F841 - drop the traceback's tensors
     finally:
+        if alarm is not None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, alarm)
         row["wall_s"] = round(time.perf_counter() - t0, 2)
+        st.row = None
         for f in (doc, pack):
             f.unlink(missing_ok=True)
         gc.collect()
@@ -250,12 +380,23 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="70b")
     ap.add_argument("--out", required=True, help="the JSON of results, rewritten after every cell")
-    ap.add_argument("--time-limit", type=float, default=540.0, help="seconds: cells that would not finish in them are skipped")
+    ap.add_argument("--time-limit", type=float, default=540.0, help="seconds: cells that would not finish in them are skipped, a running one "
+                    "is abandoned 10 s before")
+    ap.add_argument("--cell-limit", type=float, default=None, help="seconds a cell may take: past them it is abandoned (an error row naming "
+                    "its stage) and the next cell runs; with it, cells are not skipped by an estimate of their time")
+    ap.add_argument("--stage-log", default=None, help="a file that gets one JSON line per stage of every cell as it ends (flushed)")
     ap.add_argument("--budget", type=float, default=0.1)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--offload-kv", choices=("auto", "on", "off"), default="auto", help="the ingest prefill's KV on the host (auto: when it would not fit)")
     ap.add_argument("--sekv", default=None, help="sekv contexts, comma-separated (default: the window's, 32K, 64K; 0 = the window less the reserve)")
     ap.add_argument("--full", default=None, help="the full ladder, comma-separated (default: 8K, 16K, 32K, 64K)")
+    ap.add_argument("--methods", default="sekv,full", help="which methods' cells run, comma-separated (sekv, full)")
+    ap.add_argument("--lengths", default=None,
+                    help="contexts for every method in --methods, comma-separated, in this order (overrides --sekv / --full; "
+                         "0 or the window's length or more = the window less the question's reserve)")
+    ap.add_argument("--compress-bound", type=int, default=None,
+                    help="bytes sekv's compress may hold at once (sekv/compress.py free_bytes); default: the GPU's free memory "
+                         "less a margin, none on a CPU (set it there to run the GPU's chunked path)")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs to split the model over (consecutive layer groups, accelerate's hooks between them)")
     ap.add_argument("--work-dir", default=None, help="where documents and packs are written (default: a temporary folder, removed)")
     a = ap.parse_args(argv)
@@ -263,6 +404,35 @@ def main(argv=None) -> None:
     sekv_ctx, full_ctx = PLAN[a.shape]
     sekv_ctx = [int(x) for x in a.sekv.split(",")] if a.sekv else sekv_ctx
     full_ctx = [int(x) for x in a.full.split(",")] if a.full else full_ctx
+    if a.lengths:
+        sekv_ctx = full_ctx = [int(x) for x in a.lengths.split(",")]
+    chosen = [m.strip() for m in a.methods.split(",") if m.strip()]
+    if not chosen or any(m not in METHODS for m in chosen):
+        ap.error(f"--methods: give some of {', '.join(METHODS)}")
+    sekv_ctx = sekv_ctx if "sekv" in chosen else []
+    full_ctx = full_ctx if "full" in chosen else []
+    from sekv_core.sekv import compress
+
+    if a.compress_bound is not None:
+        compress.free_bytes = lambda device: a.compress_bound
+    planned = compress.plan
+
+    def plan(prefill, seg, bound, device):  # what each compress attempt chose, into the cell's row
+        p = planned(prefill, seg, bound, device)
+        PLANS.append({"bound_mib": None if bound is None else round(bound / (1 << 20), 1), "group": p.group, "span_chunks": len(p.chunks),
+                      "profile_rows": p.profile_rows})
+        return p
+
+    compress.plan = plan
+    from sekv_core import ingest as ingest_mod
+
+    write_pack = ingest_mod.write_pack
+
+    def write(*args, **kw):  # the ingest's last stage
+        st.stage("write")
+        return write_pack(*args, **kw)
+
+    ingest_mod.write_pack = write
     cuda = torch.cuda.is_available()
     devices = [torch.device(f"cuda:{i}") if cuda else torch.device("cpu") for i in range(max(1, a.gpus))]
     device = devices[0]
@@ -279,17 +449,24 @@ def main(argv=None) -> None:
 
     result: dict = {"shape": a.shape, "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
                     "torch": torch.__version__, "transformers": transformers.__version__, "budget": a.budget, "new_tokens": a.new_tokens,
-                    "offload_kv": a.offload_kv, "time_limit_s": a.time_limit, "argv": sys.argv[1:], "cells": [], "skipped": []}
+                    "offload_kv": a.offload_kv, "time_limit_s": a.time_limit, "compress_bound": a.compress_bound, "argv": sys.argv[1:], "cells": [], "skipped": []}
 
     def save() -> None:
         result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+        if st.row is not None:  # the cell in progress, as far as it got
+            result["running"] = st.row
+        else:
+            result.pop("running", None)
         tmp = out.with_name(f".{out.name}.tmp")
         tmp.write_text(json.dumps(result, indent=1))
         os.replace(tmp, out)
 
+    st = Stages(save, a.stage_log, t_start)
+    compress.PROGRESS = st.compress
     tok = tokenizer()
     t0 = time.perf_counter()
     model = build_model(a.shape, tok, devices)
+    model.model.layers[0].register_forward_pre_hook(st.forward)
     for d in {d for d in devices if d.type == "cuda"}:
         torch.cuda.synchronize(d)
     lm = models.wrap(model, tok, "random-llama3.1-70b-shape" if a.shape == "70b" else "random-llama-tiny")
@@ -301,10 +478,14 @@ def main(argv=None) -> None:
                   kv_kib_per_token=ModelShape.of(model.config, next(model.parameters()).dtype).kv_bytes_per_token() / 1024)
     save()
     long_ctx = window - RESERVE_TOKENS - 64  # the longest document that is one window (and its question's reserve)
-    sekv_ctx = [c or long_ctx for c in sekv_ctx]
+    sekv_ctx = [long_ctx if not c or c > long_ctx else c for c in sekv_ctx]
+    full_ctx = [long_ctx if not c or c > long_ctx else c for c in full_ctx]
     global PROMPT_TOKENS
     PROMPT_TOKENS = len(prompt.encode(tok, prompt.document_prefix(tok, "")))  # the pack's tokens = the document's + these
-    order = [("sekv", sekv_ctx[0])] + [("full", n) for n in full_ctx] + [("sekv", n) for n in sekv_ctx[1:]]
+    if a.lengths:  # the given order, method by method
+        order = [(m, n) for m in chosen for n in (sekv_ctx if m == "sekv" else full_ctx)]
+    else:  # shortest first (full before sekv at the same length)
+        order = sorted([("full", n) for n in full_ctx] + [("sekv", n) for n in sekv_ctx], key=lambda c: (c[1], c[0] != "full"))
     full_failed = False
     try:
         for kind, n in order:
@@ -313,13 +494,13 @@ def main(argv=None) -> None:
                 save()
                 continue
             left = a.time_limit - (time.perf_counter() - t_start)
-            need = estimate_s(result["cells"], n)
+            need = estimate_s(result["cells"], n) if a.cell_limit is None else 30.0  # with a cap: run while 30 s are left, abandon at the cap
             if need > left:
                 result["skipped"].append({"method": kind, "target_tokens": n, "why": f"time: ~{need:.0f} s needed, {left:.0f} s left"})
                 save()
                 continue
             print(f"[{time.perf_counter() - t_start:6.1f} s] {kind} {n} ...", file=sys.stderr, flush=True)
-            row = cell(kind, n, lm, tok, gpu, work, a)
+            row = cell(kind, n, lm, tok, gpu, work, a, st)
             print(f"[{time.perf_counter() - t_start:6.1f} s] {json.dumps(row)}", file=sys.stderr, flush=True)
             result["cells"].append(row)
             if kind == "full":

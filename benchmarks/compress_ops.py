@@ -7,6 +7,14 @@ that read a scalar or have a data-dependent shape (each a device sync on CUDA), 
 seconds of compress on this CPU:
 
     python -m benchmarks.compress_ops --tokens 8192
+
+``--compress-bound BYTES`` runs the chunked path a GPU takes when a layer does not fit what is free (sekv/compress.py
+plan: layer groups, a layer's spans in chunks); the record gives the plan and the calls per layer and per 1K
+compressed tokens, to compare with the unbounded path at the same size.  The merge (sekv/merge.py: the factor codec,
+on the host here as on a CPU) is timed apart, with the factor elements it codes, so its cost at another size can be
+read off (elements scale with tokens x KV heads x layers):
+
+    python -m benchmarks.compress_ops --tokens 8192 --cuda-path --compress-bound 60000000
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--cuda-path", action="store_true", help="the decompositions CUDA takes (several layers a batch; subspace iteration where d > 32), run on the CPU")
+    ap.add_argument("--compress-bound", type=int, default=None, help="bytes compress may hold at once (sekv/compress.py free_bytes): the chunked path")
     ap.add_argument("--by-function", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -59,9 +68,35 @@ def main(argv: list[str] | None = None) -> int:
         sc.GROUP_ON_CPU = True  # several layers in one decomposition, as on CUDA
 
         la._subspace_path = lambda x, method, want: method == "gram" and want is not None and want < min(x.shape[1], x.shape[2]) and x.shape[2] > la.BATCHED_EIG_MAX and want <= la.BATCHED_EIG_MAX
+    from sekv_core.sekv import compress as sc
+    from sekv_core.sekv import merge as sm
+
+    plans, merge_s, coded = [], [0.0], [0]
+    if a.compress_bound is not None:
+        sc.GROUP_ON_CPU = True  # the grouping a GPU does
+        sc.free_bytes = lambda device: a.compress_bound
+    real_plan, real_merge, real_encode = sc.plan, sm.merge, sm.encode_factors
+
+    def plan(*args):
+        q = real_plan(*args)
+        plans.append({"group": q.group, "span_chunks": len(q.chunks), "profile_rows": q.profile_rows})
+        return q
+
+    def merge(*args, **kw):
+        t0 = time.perf_counter()
+        try:
+            return real_merge(*args, **kw)
+        finally:
+            merge_s[0] += time.perf_counter() - t0
+
+    def encode(f, *args):
+        coded[0] += f.us.numel() + f.vt.numel()
+        return real_encode(f, *args)
+
+    sc.plan, sm.merge, sm.encode_factors = plan, merge, encode
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=a.by_function) as prof:
         t = time.perf_counter()
-        m.compress(res, p)
+        out = m.compress(res, p)
         wall = time.perf_counter() - t
     evs = [e for e in prof.events() if e.name.startswith("aten::")]
     ids_ = {id(e) for e in evs}
@@ -75,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         "eigh": sum(1 for e in top if e.name in ("aten::linalg_eigh", "aten::_linalg_eigh")),
     }
     rec["not_views_per_layer"] = rec["not_views"] / a.layers
+    rows = int(out["sekv.span_end"].sum() - out["sekv.span_start"].sum())  # compressed tokens (in spans)
+    rec.update(compress_bound=a.compress_bound, plans=plans, compressed_tokens=rows, not_views_per_1k_tokens=1000 * rec["not_views"] / max(rows, 1),
+               syncs_per_layer=rec["syncs"] / a.layers, merge_s=merge_s[0], coded_elements=coded[0],
+               coded_per_s=coded[0] / merge_s[0] if merge_s[0] else None)
     if a.by_function:
         import collections
 

@@ -10,6 +10,8 @@ prefill's device; only the results move to the host (sekv/host_copies.py).  A do
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..methods.base import ModelShape, PrefillResult
@@ -28,6 +30,117 @@ from .summarize import span_weights, weighted_means
 FACTOR_GROUP_BYTES = 128 << 20
 #: the CPU decomposes a layer at a time: its cost is the arithmetic, not launches, and larger batches only add copies
 GROUP_ON_CPU = False
+#: what compress leaves of an accelerator's free memory: the allocator's fragmentation, cuBLAS / cuSOLVER workspaces
+MARGIN_BYTES = 1 << 30
+#: the most bytes compress holds at once per byte of a chunk's float32 factor inputs (its keys and values in span
+#: order): the inputs, RoPE undone, their copy in one batch, the padded blocks, Grams (d x d a block: on CUDA about
+#: three alive in the subspace iteration), U*sigma, packing.  tests/test_compress_memory.py measures the CPU path
+#: under it (below 3 fails there); the CUDA path's count from the code is ~8
+FACTOR_WORK = 16
+#: per document token, what compress keeps on the device for the whole window (span order, span ids, weights, the
+#: scout profile's span of each token: int64s and floats)
+WINDOW_BYTES_PER_TOKEN = 64
+#: times a window's compress starts again under half its bound when the device runs out of memory all the same
+OOM_RETRIES = 3
+#: per query row and key, the float32 tensors of the scout profile's attention (scores, softmax, the in-span copy)
+PROFILE_WORK = 4
+#: None, or a callable(event, **info) told where compress is (benchmarks/big_model.py's stage log): "window" (a
+#: window's prefill done, its plan made), "profile" (its scout profiles made), "layers" (a layer group's factors made:
+#: ``done`` layers of ``of``), "window_done", "merge" (``done`` layers merged), "merge_done".  It may raise to stop
+#: compress there (a benchmark's time cap): the exception propagates as any other
+PROGRESS = None
+
+
+def _progress(event: str, **info) -> None:
+    if PROGRESS is not None:
+        PROGRESS(event, **info)
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """The bytes compress may hold at once on ``device``: its free memory (torch's cached blocks counted as free)
+    less :data:`MARGIN_BYTES`; None on the CPU (no bound).  Read once per window, after its prefill (tests replace it
+    to bound compress on the CPU)."""
+    if device.type != "cuda":
+        return None
+    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return max(0, free - MARGIN_BYTES)
+
+
+@dataclass
+class Plan:
+    """How a window's compress holds its device memory under a bound (:func:`plan`)."""
+
+    group: int  # layers whose factors come from one batched decomposition
+    chunks: list[tuple[int, int, int, int]]  # (first span, end span, first row, end row) in span order: one = the whole layer
+    profile_rows: int | None = None  # query rows of the scout profile scored at once (None: all, every head together)
+    in_flight: int | None = None  # device bytes of results on their way to the host before compress waits for them
+
+
+def plan(prefill: PrefillResult, seg: Segmentation, bound: int | None, device: torch.device) -> Plan:
+    """The layer group and span chunks of a window's compress.  ``bound`` None: as many layers a group as
+    FACTOR_GROUP_BYTES allows (one on the CPU), every layer at once.  Otherwise, out of ``bound`` bytes: the layer
+    read onto the device (when the KV is elsewhere: the host), an eighth for results on their way to the host, the
+    window's per-token tensors, and the rest for factor work (FACTOR_WORK times the float32 inputs): whole layers,
+    as many as fit (at most FACTOR_GROUP_BYTES of inputs), or one layer's spans in chunks of as many rows as fit
+    (one span at least)."""
+    shape = prefill.shape
+    hkv, d, n = shape.n_kv_heads, shape.head_dim, prefill.n_tokens
+    span_len = seg.span_len.long()
+    rows = int(span_len.sum())
+    s = int(span_len.numel())
+    per_layer = 2 * hkv * rows * d * 4  # float32 factor inputs of a layer (keys and values)
+    whole = [(0, s, 0, rows)]
+    group = min(shape.n_layers, max(1, FACTOR_GROUP_BYTES // max(per_layer, 1))) if device.type != "cpu" or GROUP_ON_CPU else 1
+    if bound is None:
+        return Plan(group, whole)
+    isz = torch.empty(0, dtype=shape.dtype).element_size()
+    read = 2 * hkv * n * d * isz if _reads_layers(prefill, device) else 0
+    in_flight = bound // 8
+    avail = max(0, bound - read - in_flight - WINDOW_BYTES_PER_TOKEN * n)
+    fit = (avail + read) // max(FACTOR_WORK * per_layer + read, 1)  # a group holds each of its layers as read until it is factorised
+    q = _query_rows(prefill)
+    profile_rows = min(q, max(1, (avail - n * d * 4) // (PROFILE_WORK * n * 4 + 4 * max(s, 1)))) if q else None
+    if profile_rows == q and avail >= hkv * n * d * 4 + q * (PROFILE_WORK * n * 4 + 4 * max(s, 1)):
+        profile_rows = None  # every head's rows at once fit (their keys in float32 too): the unbounded path's launches
+    if fit >= 1:
+        return Plan(min(group, fit), whole, profile_rows, in_flight)
+    budget_rows = avail // (FACTOR_WORK * 2 * hkv * d * 4)
+    chunks, s0, p0 = [], 0, 0
+    ends = torch.cumsum(span_len, 0).tolist()
+    for i in range(s):
+        if i > s0 and ends[i] - p0 > budget_rows:  # span i starts the next chunk (a chunk holds one span at least)
+            chunks.append((s0, i, p0, ends[i - 1]))
+            s0, p0 = i, ends[i - 1]
+    chunks.append((s0, s, p0, rows))
+    return Plan(1, chunks, profile_rows, in_flight)
+
+
+def _reads_layers(prefill: PrefillResult, device: torch.device) -> bool:
+    """Whether reading a layer's keys puts a copy on ``device`` (the KV on the host, or on another device)."""
+    keys = prefill.keys
+    return _lazy(keys) and any(h.device != device for h in keys.host)
+
+
+def _query_rows(prefill: PrefillResult) -> int:
+    """The recorded observation queries per layer (all heads), 0 when none."""
+    q = prefill.scores.get("obs_queries") if prefill.scores else None
+    return int(q[0].shape[0] * q[0].shape[1]) if q else 0
+
+
+def _lazy(keys) -> bool:
+    """Whether a prefill's per-layer KV is read onto the device when indexed (kv_offload.LayersOn)."""
+    return hasattr(keys, "host") and hasattr(keys, "devices")
+
+
+def _kv_dtype(prefill: PrefillResult) -> torch.dtype:
+    keys = prefill.keys
+    return keys.host[0].dtype if _lazy(keys) else keys[0].dtype
+
+
+def _device_of(prefill: PrefillResult) -> torch.device:
+    """Where compress runs: the prefill's device (a layer read there when the KV is elsewhere), without reading one."""
+    keys = prefill.keys
+    return keys.devices[0] if _lazy(keys) else keys[0].device
 
 
 def lengths(n_tokens: int, params: SekvParams) -> tuple[int, int, int]:
@@ -105,86 +218,211 @@ def compress_windows(windows, params: SekvParams, arena: torch.Tensor | None = N
         m = [piece.tensors.pop(f"moment.{li}") for li in range(prefill.shape.n_layers)]  # summed as they come
         moments = m if not moments else [a + b for a, b in zip(moments, m)]
         pieces.append(piece)
-        shape, n_doc, dev = prefill.shape, prefill.doc_tokens or prefill.n_tokens, prefill.keys[0].device
+        shape, n_doc, dev = prefill.shape, prefill.doc_tokens or prefill.n_tokens, _device_of(prefill)
         del prefill  # one window's KV at a time
     with fz.single_thread():
-        return merge.merge(pieces, moments, params, shape, n_doc, lex, trained, dev)
+        out = merge.merge(pieces, moments, params, shape, n_doc, lex, trained, dev, on_layer=lambda li: _progress("merge", done=li + 1, of=shape.n_layers))
+    _progress("merge_done")
+    return out
 
 
 def compress_window(prefill: PrefillResult, params: SekvParams, trained=None, arena: torch.Tensor | None = None) -> merge.Piece:
     """One window's spans, full-resolution tokens, coarse entries, factors (not yet coded) and key moments, on the
-    host; global positions from prefill.start."""
+    host; global positions from prefill.start.  Its working tensors on the device stay within :func:`free_bytes`
+    (:func:`plan`): layers batched while they fit, a layer's spans in chunks when one does not.  Should the device
+    run out of memory all the same (the plan's counts are estimates), the step that failed (the scout profiles, or
+    one layer group) runs again under half the bound, up to OOM_RETRIES times a window: the same tensors, smaller
+    chunks; the layer groups already made are kept."""
+    dev = _device_of(prefill)
+    if dev.type == "cuda":  # the prefill's cached blocks back to the driver: compress's own sizes, less fragmentation
+        torch.cuda.empty_cache()
+    return _compress_window(prefill, params, trained, arena, dev, free_bytes(dev))
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    text = str(e)
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text.lower() or "ALLOC_FAILED" in text
+
+
+def _compress_window(prefill: PrefillResult, params: SekvParams, trained, arena: torch.Tensor | None, dev: torch.device,
+                     bound: int | None) -> merge.Piece:
     shape = prefill.shape
     seg = segmentation(prefill, params)
     pos, sid = seg.span_tokens()
     inv = rope.inv_freq_of(shape)
     pre = params.key_space == "pre_rope" and inv is not None
-    out = _window_tensors(prefill, params, seg)
-    dev = prefill.keys[0].device
-    weights = span_weights(prefill.surprisal, pos, sid, seg.n_spans, params.weighting).to(dev)
-    cos_sin = None
-    if pre:  # the keys are at their global positions
-        gpos = pos + prefill.start
-        cos_sin = tuple(t.to(dev) for t in rope.cos_sin(gpos, inv, shape.rope_attention_scaling, dtype=prefill.keys[0].dtype))
+    todo = plan(prefill, seg, bound, dev)
+    _progress("window", start=prefill.start, tokens=prefill.n_tokens, bound=bound, group=todo.group, span_chunks=len(todo.chunks),
+              profile_rows=todo.profile_rows)
     copies = HostCopies(dev, arena if dev.type == "cuda" else None)
-    ctx = (pos.to(dev), sid.to(dev), weights, seg.full_idx.to(dev), seg.span_len, cos_sin, trained)
-    # the factors of several layers come from one batched decomposition (its launches and host syncs once per group),
-    # the group's float32 inputs within FACTOR_GROUP_BYTES
-    per_layer = 2 * shape.n_kv_heads * int(seg.span_len.sum()) * shape.head_dim * 4
-    group = max(1, FACTOR_GROUP_BYTES // max(per_layer, 1)) if dev.type != "cpu" or GROUP_ON_CPU else 1
-    for l0 in range(0, shape.n_layers, group):
-        copies.submit(out)  # the previous group's results travel while this one computes
-        todo = []
-        for li in range(l0, min(shape.n_layers, l0 + group)):
-            tensors, inputs = _layer_tensors(prefill, params, li, *ctx)
-            out.update(tensors)
-            todo.append((li, inputs))
-        out.update(_factors(todo, seg.span_len, params))
-    return merge.Piece(prefill.start, prefill.n_tokens, seg, to_host(out, copies))
+    retries = OOM_RETRIES
+
+    def smaller(e: BaseException) -> bool:  # whether a step that raised e runs again (under half the bound)
+        return bound is not None and retries > 0 and _out_of_memory(e)
+
+    def shrink() -> Plan:  # after the failed step's tensors went with its exception
+        nonlocal bound, retries
+        copies.wait(0)  # the results still on their way to the host: their device memory back first
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        bound, retries = bound // 2, retries - 1
+        p = plan(prefill, seg, bound, dev)
+        _progress("retry", bound=bound, group=p.group, span_chunks=len(p.chunks), profile_rows=p.profile_rows)
+        return p
+
+    out = None
+    while out is None:
+        try:
+            out = _window_tensors(prefill, params, seg, todo.profile_rows)
+        except Exception as e:  # noqa: BLE001 - only running out of memory is retried
+            if not smaller(e):
+                raise
+        if out is None:
+            todo = shrink()
+    _progress("profile")
+    weights = span_weights(prefill.surprisal, pos, sid, seg.n_spans, params.weighting).to(dev)
+    rot = None
+    if pre:  # the keys are at their global positions: RoPE's cos / sin of rows p0:p1 (span order) on the device
+        gpos, scaling, dt, whole = pos + prefill.start, shape.rope_attention_scaling, _kv_dtype(prefill), []
+
+        def rot(p0: int, p1: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if p0 == 0 and p1 == gpos.numel():  # whole layers: the window's made once (a chunk's with its inputs)
+                if not whole:
+                    whole.extend(t.to(dev) for t in rope.cos_sin(gpos, inv, scaling, dtype=dt))
+                return whole[0], whole[1]
+            c, s_ = rope.cos_sin(gpos[p0:p1], inv, scaling, dtype=dt)
+            return c.to(dev), s_.to(dev)
+    host = {k: t for k, t in out.items() if t.device.type == "cpu"}
+    ctx = (pos.to(dev), sid.to(dev), weights, seg.full_idx.to(dev), seg.span_len, rot, trained)
+    l0 = 0
+    try:
+        while l0 < shape.n_layers:
+            l1 = min(shape.n_layers, l0 + todo.group)
+            out = None
+            try:
+                out = _group_tensors(prefill, params, range(l0, l1), todo.chunks, seg.span_len, ctx)
+            except Exception as e:  # noqa: BLE001 - only running out of memory is retried
+                if not smaller(e):
+                    raise
+            if out is None:
+                todo = shrink()
+                continue
+            copies.submit(out)  # to the host while the next group computes; the device tensors go when they are there
+            host.update({k: t for k, t in out.items() if t.device.type == "cpu"})
+            copies.wait(todo.in_flight)
+            del out
+            l0 = l1
+            _progress("layers", done=l1, of=shape.n_layers)
+    except BaseException:
+        copies.wait(0)  # nothing still writing into the arena when the error propagates
+        raise
+    piece = merge.Piece(prefill.start, prefill.n_tokens, seg, to_host(host, copies))
+    _progress("window_done")
+    return piece
 
 
-def _window_tensors(prefill: PrefillResult, params: SekvParams, seg: Segmentation) -> dict[str, torch.Tensor]:
-    """A window's scout profiles: its spans' and zoom blocks' attention from its last queries (sekv/scout.py)."""
-    out = {"scout.profile": scout.document_profile(prefill, seg.span_start, seg.span_end)}
+def _group_tensors(prefill: PrefillResult, params: SekvParams, layers: range, chunks, span_len: torch.Tensor, ctx) -> dict[str, torch.Tensor]:
+    """The tensors of a group of layers (:func:`_layer_tensors` and their factors): the group's factors from one
+    batched decomposition, or, a layer in span chunks, each chunk's in turn."""
+    out, units = {}, []
+    for li in layers:
+        tensors, inputs = _layer_tensors(prefill, params, li, chunks, *ctx)
+        out.update(tensors)
+        units += [(li, c, x) for c, x in inputs]
+        if len(chunks) > 1:  # a layer in span chunks: each chunk's factors made (and its inputs freed) in turn
+            out.update(_factors(units, chunks, span_len, params))
+            units = []
+    if units:
+        out.update(_factors(units, chunks, span_len, params))
+    return out
+
+
+def _window_tensors(prefill: PrefillResult, params: SekvParams, seg: Segmentation, rows: int | None = None) -> dict[str, torch.Tensor]:
+    """A window's scout profiles: its spans' and zoom blocks' attention from its last queries (sekv/scout.py);
+    ``rows``: query rows scored at once (None: every head's at once)."""
+    out = {"scout.profile": scout.document_profile(prefill, seg.span_start, seg.span_end, rows)}
     unit = max(0, params.zoom_unit)
     if unit > 0 and seg.n_spans:  # the profile of the zoom blocks the pack is made for (another unit at ask time: the span's)
         _, b0, b1 = zoom_blocks(seg.span_start, seg.span_end, unit)
-        out["scout.profile_blocks"] = scout.document_profile(prefill, b0, b1)
+        out["scout.profile_blocks"] = scout.document_profile(prefill, b0, b1, rows)
     return out
 
 
-def _layer_tensors(prefill: PrefillResult, params: SekvParams, li: int, pos, sid, weights, full_idx, span_len, cos_sin, trained):
+def _layer_tensors(prefill: PrefillResult, params: SekvParams, li: int, chunks, pos, sid, weights, full_idx, span_len, rot, trained):
     """One layer's full-resolution tokens, coarse entries and key moments (for the router), and what its factors
-    are made from: (tensors, ((pre-RoPE keys, energy, gate), (values, energy, gate)) in span order)."""
+    are made from: (tensors, [(chunk, inputs)] with inputs() -> ((pre-RoPE keys, energy, gate), (values, energy,
+    gate)) of the chunk's spans, in span order, made when called).  ``chunks``: (first span, end span, first row,
+    end row) in span order; one chunk, every span: the whole layer at once."""
     L = prefill.shape.n_layers
-    sdt = layout.store_dtype(params, prefill.keys[0].dtype)
     k, v = prefill.keys[li], prefill.values[li]
+    sdt = layout.store_dtype(params, k.dtype)
     out = {f"full.k.{li}": k[:, full_idx].to(sdt).contiguous(), f"full.v.{li}": v[:, full_idx].to(sdt).contiguous()}
-    kbar = weighted_means(k, pos, sid, weights, int(span_len.numel()))
+    one = len(chunks) == 1
+
+    def means(x, s0, s1, p0, p1):
+        return weighted_means(x, pos[p0:p1], sid[p0:p1] - s0 if s0 else sid[p0:p1], weights[p0:p1], s1 - s0)
+
+    kbar = means(k, *chunks[0]) if one else torch.cat([means(k, *c) for c in chunks], 1)
     out[f"coarse.k.{li}"] = kbar  # float32: the router's PCA scale is read off it (sekv/merge.py)
-    out[f"coarse.v.{li}"] = weighted_means(v, pos, sid, weights, int(span_len.numel())).to(sdt)
-    out[f"moment.{li}"] = router.second_moment(k)
+    vbar = means(v, *chunks[0]) if one else torch.cat([means(v, *c) for c in chunks], 1)
+    out[f"coarse.v.{li}"] = vbar.to(sdt)
+    out[f"moment.{li}"] = _second_moment(k, chunks)
     if span_len.numel() == 0:
         out[f"keys.{li}"] = k.float()  # no span to scale the router on: the keys themselves (router.pca_init)
-    kx = k[:, pos].float()
-    if cos_sin is not None:
-        kx = rope.undo(kx, *cos_sin)
-    keep_k = keep_v = None
-    if trained is not None and span_len.numel():  # the trained rank gate G chooses each block's components (sekv/rank_gate.py)
-        depth = li / max(L - 1, 1)
-        keep_k = trained.gate.keep(kbar.float(), span_len, False, depth)
-        keep_v = trained.gate.keep(out[f"coarse.v.{li}"].float(), span_len, True, depth)
-    return out, ((kx, params.energy_k, keep_k), (v[:, pos].float(), params.energy_v, keep_v))
+    depth = li / max(L - 1, 1)
+    gated = trained is not None and span_len.numel() > 0  # the trained rank gate G chooses each block's components (sekv/rank_gate.py)
+    vbar = out[f"coarse.v.{li}"].float() if gated else None
+
+    def inputs(s0, s1, p0, p1):
+        kx = k[:, pos[p0:p1]].float()
+        if rot is not None:  # RoPE undone: cos / sin of the rows (compress's rot)
+            kx = rope.undo(kx, *rot(p0, p1))
+        keep_k = keep_v = None
+        if gated:
+            keep_k = trained.gate.keep(kbar[:, s0:s1].float(), span_len[s0:s1], False, depth)
+            keep_v = trained.gate.keep(vbar[:, s0:s1], span_len[s0:s1], True, depth)
+        return (kx, params.energy_k, keep_k), (v[:, pos[p0:p1]].float(), params.energy_v, keep_v)
+
+    return out, [(c, (lambda c=c: inputs(*c))) for c in chunks]
 
 
-def _factors(todo, span_len: torch.Tensor, params: SekvParams) -> dict[str, torch.Tensor]:
-    """Key and value factors of the layers in ``todo`` ((layer, ((x, energy, keep) of K, of V)) each), from one
-    batched decomposition (sekv/factorize.py factorize_many: each block on its own, the factors those of separate calls)."""
+def _second_moment(k: torch.Tensor, chunks) -> torch.Tensor:
+    """router.second_moment of a layer's keys: at once, or (a layer in span chunks) summed over token blocks no
+    longer than the longest chunk."""
+    if len(chunks) == 1:
+        return router.second_moment(k)
+    step = max(p1 - p0 for _, _, p0, p1 in chunks)
+    return sum(router.second_moment(k[:, t : t + step]) for t in range(0, k.shape[1], step))
+
+
+def _factors(todo, chunks, span_len: torch.Tensor, params: SekvParams) -> dict[str, torch.Tensor]:
+    """Key and value factors of the units in ``todo`` ((layer, chunk, inputs) each).  Whole layers: one batched
+    decomposition of them all (sekv/factorize.py factorize_many: each block on its own, the factors those of separate
+    calls).  A layer in span chunks: each chunk's in turn (its inputs made, decomposed, packed and freed), the
+    chunks' packed factors concatenated per KV head (sekv/merge.py merge_factors)."""
     opts = dict(rank_max=params.rank_max, int8=params.factors_8bit, dtype=getattr(torch, params.factor_dtype), method=params.svd)
-    mats = [m for _, kv in todo for m in kv]
-    fs = fz.factorize_many([x for x, _, _ in mats], span_len, energies=[e for _, e, _ in mats], keeps=[k for _, _, k in mats], **opts)
     out = {}
-    for j, (li, _) in enumerate(todo):
-        out.update(fs[2 * j].tensors(f"fk.{li}"))
-        out.update(fs[2 * j + 1].tensors(f"fv.{li}"))
+    if len(chunks) == 1:
+        mats = [m for _, _, make in todo for m in make()]
+        fs = fz.factorize_many([x for x, _, _ in mats], span_len, energies=[e for _, e, _ in mats], keeps=[k for _, _, k in mats], **opts)
+        for j, (li, _, _) in enumerate(todo):
+            out.update(fs[2 * j].tensors(f"fk.{li}"))
+            out.update(fs[2 * j + 1].tensors(f"fv.{li}"))
+        return out
+    d = None
+    parts: dict[tuple[int, str], list] = {}
+    for li, (s0, s1, _, _), make in todo:
+        mats = make()
+        d = mats[0][0].shape[-1]
+        n = span_len[s0:s1]
+        fs = fz.factorize_many([x for x, _, _ in mats], n, energies=[e for _, e, _ in mats], keeps=[k for _, _, k in mats], **opts)
+        del mats
+        for kind, f in zip(("fk", "fv"), fs):
+            parts.setdefault((li, kind), []).append((_parts_of(f), n))
+    for (li, kind), p in parts.items():
+        out.update(merge.merge_factors(p, d).tensors(f"{kind}.{li}"))
     return out
+
+
+def _parts_of(f: fz.Factors) -> dict[str, torch.Tensor]:
+    return {k: getattr(f, k) for k in merge._FACTOR_PARTS if getattr(f, k) is not None}

@@ -42,6 +42,7 @@ class HostCopies:
         self.done: set[str] = set()
         self.jobs = []
         self.arena, self.off = arena, 0
+        self.pending: list[tuple[int, object]] = []  # (device bytes, what finishes them: an event or a job) in order
         if self.on:
             self.stream = torch.cuda.Stream(device)
             self.pool = ThreadPoolExecutor(1)
@@ -80,7 +81,10 @@ class HostCopies:
                     got[k] = dst
                 else:
                     slots[k] = (dst, t)
+            done = torch.cuda.Event()
+            done.record(self.stream)
         self.jobs.append(got)
+        nbytes = sum(t.numel() * t.element_size() for t in todo.values())
         if rest or slots:
 
             def work():
@@ -89,6 +93,18 @@ class HostCopies:
                     return host | {k: t.to("cpu") for k, t in rest.items()}
 
             self.jobs.append(self.pool.submit(work))
+            self.pending.append((nbytes, self.jobs[-1]))
+        else:
+            self.pending.append((nbytes, done))
+
+    def wait(self, limit: int | None) -> None:
+        """Block until the device tensors still on their way to the host take ``limit`` bytes at most (None: never
+        block): what bounds compress's results on the device when they are made faster than they travel."""
+        if not self.on or limit is None:
+            return
+        while self.pending and sum(b for b, _ in self.pending) > limit:
+            _, w = self.pending.pop(0)
+            w.synchronize() if isinstance(w, torch.cuda.Event) else w.result()
 
     def finish(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if not self.on:

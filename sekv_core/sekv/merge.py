@@ -41,6 +41,7 @@ def merge_factors(parts: list[tuple[dict[str, torch.Tensor], torch.Tensor]], d: 
     pieces: dict[str, list[list[torch.Tensor]]] = {k: [] for k in _FACTOR_PARTS}
     for t, span_len in parts:
         r = t["rank"].long()
+        span_len = span_len.to(r.device)  # a layer's span chunks merged on the GPU (sekv/compress.py)
         sizes = {
             "us": (r * span_len.view(1, -1)).sum(1),
             "vt": r.sum(1) * d,
@@ -61,10 +62,11 @@ def merge_factors(parts: list[tuple[dict[str, torch.Tensor], torch.Tensor]], d: 
 
 
 def merge(pieces: list[Piece], moments: list[torch.Tensor], params: SekvParams, shape: ModelShape, n_tokens: int, lex_terms: torch.Tensor | None, trained,
-          device=None) -> dict[str, torch.Tensor]:
+          device=None, on_layer=None) -> dict[str, torch.Tensor]:
     """The pack's tensors (``sekv.*``) from the windows' pieces, in token order (consumed: their tensors are freed
     layer by layer).  ``moments``: per layer the keys' second moment summed over the windows (router.second_moment);
-    ``device``: where the router's PCA runs (the prefill's)."""
+    ``device``: where the router's PCA and the factor codec run (the prefill's); ``on_layer(li)``: called as each
+    layer is merged (progress)."""
     from .compress import codec_configs, lengths
 
     L, hkv, d, H = shape.n_layers, shape.n_kv_heads, shape.head_dim, shape.n_heads
@@ -106,7 +108,6 @@ def merge(pieces: list[Piece], moments: list[torch.Tensor], params: SekvParams, 
     # the 4-bit coding of the factors runs where the prefill ran when that is an accelerator (~2.8 s of a 16K document's
     # ingest on one CPU thread, milliseconds there): comparisons and correctly rounded divisions, the same codes on
     # either; the row scales' log8 codes (log2) stay on the host
-    code_dev = device if device is not None and torch.device(device).type == "cuda" else None
     sdt = pieces[0].tensors["full.k.0"].dtype
     span_len = seg.span_len
     lens = [p.seg.span_len for p in pieces]
@@ -129,18 +130,24 @@ def merge(pieces: list[Piece], moments: list[torch.Tensor], params: SekvParams, 
             parts = [({k: x.pop(f"{kind}.{li}.{k}") for k in _FACTOR_PARTS if f"{kind}.{li}.{k}" in x}, n) for x, n in zip(t, lens)]
             f = merge_factors(parts, d)
             if params.coded:  # at rest 4-bit (values: value_bits); decoded to int8 at open (layout.read_factors)
-                coded = codec.encode_factors(_to(f, code_dev), span_len, d, **cfg)
-                out.update({f"sekv.{kind}.{li}.{n}": v if code_dev is None else v.cpu() for n, v in coded.items()})
+                out.update({f"sekv.{kind}.{li}.{n}": v for n, v in encode_factors(f, span_len, d, cfg, device).items()})
             else:
                 out.update(f.tensors(f"sekv.{kind}.{li}"))
+        if on_layer is not None:
+            on_layer(li)
     return out
 
 
-def _to(f: fz.Factors, device) -> fz.Factors:
-    """f's factors and ranks on device (None: where they are); its row scales where they are."""
-    if device is None:
-        return f
-    return fz.Factors(f.us.to(device), f.vt.to(device), f.rank.to(device), f.us_scale, f.vt_scale)
+def encode_factors(f: fz.Factors, span_len: torch.Tensor, d: int, cfg: dict, device=None) -> dict[str, torch.Tensor]:
+    """codec.encode_factors of a layer's merged (host) factors -> host tensors.  On a CUDA ``device`` the codes are
+    made there: the CPU codes ~15-20 M elements/s on one thread, 5-10 minutes for the 160 factor tensors of a 70B
+    model at 128K tokens (benchmarks/compress_ops.py's coded_per_s, docs/multi-gpu.md).  The same codes: the codec's steps on the int8
+    factors are integer arithmetic, comparisons and IEEE float32 divisions, exact on both; the row scales' log8
+    codes (log2, whose last bit may differ between libraries) stay on the host, as the layout's cheap part."""
+    if device is None or torch.device(device).type != "cuda" or f.us_scale is None:
+        return codec.encode_factors(f, span_len, d, **cfg)
+    on = fz.Factors(f.us.to(device), f.vt.to(device), f.rank.to(device), f.us_scale, f.vt_scale)
+    return {k: v.cpu() for k, v in codec.encode_factors(on, span_len, d, **cfg).items()}
 
 
 def _global_segmentation(pieces: list[Piece], n_tokens: int) -> Segmentation:

@@ -73,10 +73,12 @@ def zscore(v: torch.Tensor) -> torch.Tensor:
     return torch.where(pos, (v - v.mean(dim=-1, keepdim=True)) / torch.where(pos, sd, torch.ones_like(sd)), torch.zeros_like(v))
 
 
-def document_profile(prefill, span_start: torch.Tensor, span_end: torch.Tensor) -> torch.Tensor:
+def document_profile(prefill, span_start: torch.Tensor, span_end: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     """Sum over layers of the z-scored span masses seen by the document end's queries (exact keys): [S] float32.
 
-    prefill.scores["obs_queries"]: per layer [H, w, d] (post-RoPE).  Zeros when they were not recorded.
+    prefill.scores["obs_queries"]: per layer [H, w, d] (post-RoPE).  Zeros when they were not recorded.  ``rows``:
+    the query rows scored at once ([rows, N] attention, a KV head at a time; sekv/compress.py's memory bound), the
+    same masses; None: every head's rows together.
     """
     s = int(span_start.numel())
     queries = prefill.scores.get("obs_queries") if prefill.scores else None
@@ -86,15 +88,28 @@ def document_profile(prefill, span_start: torch.Tensor, span_end: torch.Tensor) 
     span_of = torch.full((n,), -1, dtype=torch.long)
     lens = span_end - span_start
     span_of[torch.repeat_interleave(span_start, lens) + _ranks(lens)] = torch.repeat_interleave(torch.arange(s), lens)
-    dev = prefill.keys[0].device
+    keys = prefill.keys
+    dev = keys.devices[0] if hasattr(keys, "devices") else keys[0].device
     span_of, inside = span_of.to(dev), (span_of >= 0).to(dev)
+    idx = span_of[inside]
     total = torch.zeros(s, dtype=torch.float32, device=dev)
-    for q, k in zip(queries, prefill.keys):
+    for q, k in zip(queries, keys):
         hkv, d = k.shape[0], k.shape[-1]
-        qf = q.to(dev).float().reshape(hkv, -1, d)  # [Hkv, G*w, d]
-        p = torch.softmax(torch.bmm(qf, k.float().transpose(1, 2)) * d**-0.5, dim=-1)  # [Hkv, G*w, N]
-        mass = torch.zeros(hkv, qf.shape[1], s, device=dev).index_add_(2, span_of[inside], p[:, :, inside])
-        total += zscore(mass.amax(dim=1).amax(dim=0))
+        qf = q.to(dev).reshape(hkv, -1, d)  # [Hkv, G*w, d]
+        if rows is None:
+            p = torch.softmax(torch.bmm(qf.float(), k.float().transpose(1, 2)) * d**-0.5, dim=-1)  # [Hkv, G*w, N]
+            mass = torch.zeros(hkv, qf.shape[1], s, device=dev).index_add_(2, idx, p[:, :, inside])
+            top = mass.amax(dim=1).amax(dim=0)
+        else:
+            top = torch.zeros(s, device=dev)  # masses are >= 0: the running max starts at 0
+            for h in range(hkv):
+                kh = k[h].float().t()
+                for r0 in range(0, qf.shape[1], rows):
+                    p = torch.softmax((qf[h, r0 : r0 + rows].float() @ kh) * d**-0.5, dim=-1)  # [rows, N]
+                    mass = torch.zeros(p.shape[0], s, device=dev).index_add_(1, idx, p[:, inside])
+                    top = torch.maximum(top, mass.amax(dim=0))
+                    del p, mass
+        total += zscore(top)
     return total.cpu()
 
 
