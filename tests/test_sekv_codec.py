@@ -306,11 +306,11 @@ def test_cuda_compress_4bit():
         a, b = codec.encode(q, 32, levels), codec.encode(q.cuda(), 32, levels)
         assert all(torch.equal(x, y.cpu()) for x, y in zip(a, b))
     # the merge codes a layer's factors on the GPU (scales on the host): the tensors a CPU merge writes
-    from sekv_core.sekv.merge import _to
+    from sekv_core.sekv.merge import encode_factors
 
     f = fz.factorize(torch.randn(2, int(LENS.sum()), 64, generator=g), LENS, energy=0.99, rank_max=32, int8=True)
     for cfg in (dict(codec.DEFAULT, scales="log8"), dict(codec.VALUES_3BIT, scales="log8"), dict(codec.DEFAULT, scales="fp16")):
-        a, b = codec.encode_factors(f, LENS, 64, **cfg), codec.encode_factors(_to(f, "cuda"), LENS, 64, **cfg)
+        a, b = codec.encode_factors(f, LENS, 64, **cfg), encode_factors(f, LENS, 64, cfg, "cuda")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k].cpu()) for k in a)
     model = tiny("qwen2").cuda()
     runtime.install(model)
