@@ -9,8 +9,9 @@ taken under that sharing (say so where they are reported).
         --model qwen2.5-0.5b --device cuda --haystack /var/tmp/hay \\
         niah:4K,8K:1 niah:4K,8K:2 niah:16K:0 mk_niah:4K:0-3 vt:4K:0-19 ...
 
-A shard is TASK:LENGTHS:SEEDS (SEEDS a number, a range a-b, or a comma list with '+' between: 0+1+2), written to
-ROOT/TASK-LENGTHS-sSEEDS.  Shards beyond --jobs wait for a free slot.  The tables: benchmarks/studies/grid_table.py
+A shard is TASK:LENGTHS:SEEDS[:DIR] (SEEDS a number, a range a-b, or a list with '+' between: 0+1+2), written to
+ROOT/DIR, by default ROOT/TASK-LENGTHS-sSEEDS (DIR lets a later split of a shard's seeds finish a started seed in the
+folder that already holds its cells, so no cell is measured twice).  Shards beyond --jobs wait for a free slot.  The tables: benchmarks/studies/grid_table.py
 over the shard directories.
 """
 
@@ -32,8 +33,8 @@ def parse_seeds(s: str) -> list[int]:
 
 
 def shard_dir(root: Path, spec: str) -> Path:
-    task, lengths, seeds = spec.split(":")
-    return root / f"{task}-{lengths.replace(',', '_')}-s{seeds}"
+    task, lengths, seeds, *name = spec.split(":")
+    return root / (name[0] if name else f"{task}-{lengths.replace(',', '_')}-s{seeds}")
 
 
 def run_one(a: argparse.Namespace, spec: str) -> int:
@@ -43,7 +44,7 @@ def run_one(a: argparse.Namespace, spec: str) -> int:
     from sekv_core.bench import runner, tasks
     from sekv_cli.cmd_bench import parse_length, parse_list, parse_methods
 
-    task, lengths, seeds = spec.split(":")
+    task, lengths, seeds, *_ = spec.split(":")
     torch.set_num_threads(a.threads)
     lm = models.load(a.model, device=a.device)
     out = shard_dir(Path(a.root), spec)
