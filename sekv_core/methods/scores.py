@@ -56,16 +56,17 @@ TEXT_SCORES = ("token_text", "lex_terms", "kvzip_prompts", "doc_range")
 _MASS_BLOCK = 1 << 24
 
 
-def text_scores(tokenizer, text: str, ids: list[int], needs, system: str | None = None) -> dict[str, Any]:
+def text_scores(tokenizer, text: str, ids: list[int], needs, system: str | None = None, offsets=None) -> dict[str, Any]:
     """The TEXT_SCORES named in ``needs`` for the document prefix ``text`` tokenized as ``ids`` (made with the
-    system prompt ``system``, None: the default)."""
+    system prompt ``system``, None: the default); ``offsets``: the tokens' character ranges in ``text`` when the
+    caller tokenized it with them (ingest), else the lexical terms tokenize it again."""
     out: dict[str, Any] = {}
     if "token_text" in needs:
         out["token_text"] = tokenizer.batch_decode([[t] for t in ids])
     if "lex_terms" in needs:
         from ..sekv import lexical
 
-        terms = lexical.document_terms(tokenizer, text)
+        terms = lexical.document_terms(tokenizer, text, offsets)
         if terms.numel() != len(ids):
             raise ValueError(f"lex_terms: {terms.numel()} token terms for {len(ids)} tokens (another tokenization of the text?)")
         out["lex_terms"] = terms
