@@ -372,3 +372,56 @@ def test_lazy_factors_give_the_eager_open_s_attention(monkeypatch):
     assert any(k.endswith(".us.q4") for k in counted.reads)  # read when the step needed them
     for (fe, _), (fl, _) in zip(eager.res.factors, lazy.res.factors):  # and the reference step's host factors
         assert torch.equal(fe.us, fl.us) and torch.equal(fe.vt, fl.vt) and torch.equal(fe.rank, fl.rank)
+
+
+def _reference_vt(t: dict, rank: torch.Tensor, d: int, cfg: dict) -> torch.Tensor:
+    """The packed vt from its coded tensors by boolean masks, the leading rows of every block found block by block."""
+    lead_rows = []
+    for r in rank.flatten().tolist():
+        lead_rows += [j < cfg["lead"] for j in range(r)]
+    lm = torch.tensor(lead_rows, dtype=torch.bool).repeat_interleave(d)
+    vt = torch.zeros(lm.numel(), dtype=torch.int8)
+    vt[lm] = t["vt.lead"]
+    _, _, cvt, mvt = codec.code_names(cfg["levels"])
+    vt[~lm] = codec.decode(t[cvt], t[mvt], int((~lm).sum()), cfg["group"], cfg["levels"])
+    return vt
+
+
+@pytest.mark.parametrize("kw", [codec.DEFAULT, dict(codec.VALUES_3BIT, scales="log8"), dict(codec.DEFAULT, lead=0), dict(codec.DEFAULT, lead=40)])
+def test_decode_places_vt_rows_as_boolean_masks_do(kw):
+    """decode_factors places the leading and the coded vt rows by their running counts (no host sync on CUDA): the
+    same int8 factors as placing them by boolean masks; with the host's sizes handed in or read off the ranks."""
+    x = torch.randn(2, int(LENS.sum()), 64, generator=torch.Generator().manual_seed(6))
+    f = fz.factorize(x, LENS, energy=0.99, rank_max=32, int8=True)
+    t = codec.encode_factors(f, LENS, 64, **kw)
+    want = _reference_vt(t, f.rank, 64, kw)
+    sizes = codec.factor_sizes(f.rank, LENS, kw["lead"])
+    assert sizes == (int((f.rank * LENS.view(1, -1)).sum()), int(f.rank.sum()), int(f.rank.clamp_max(kw["lead"]).sum()))
+    for s in (None, sizes):
+        g = codec.decode_factors(t, LENS, 64, **kw, sizes=s)
+        assert torch.equal(g.vt, want)
+        assert g.us.shape == f.us.shape and torch.equal(g.rank, f.rank)
+    if kw["lead"]:  # a damaged pack's leading rows: an error, not factors shifted by one
+        with pytest.raises(ValueError):
+            codec.decode_factors(dict(t, **{"vt.lead": t["vt.lead"][:-1]}), LENS, 64, **kw)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_decode_reads_nothing_back():
+    """A pack's factors decoded on CUDA with the host's sizes: no host sync (torch's sync debug mode raises on one),
+    and the CPU's int8 factors."""
+    x = torch.randn(2, int(LENS.sum()), 64, generator=torch.Generator().manual_seed(7))
+    f = fz.factorize(x, LENS, energy=0.99, rank_max=32, int8=True)
+    kw = dict(codec.VALUES_3BIT, scales="log8")
+    t = codec.encode_factors(f, LENS, 64, **kw)
+    cpu = codec.decode_factors(t, LENS, 64, **kw)
+    sizes = codec.factor_sizes(f.rank, LENS, kw["lead"])
+    on = {k: v.cuda() for k, v in t.items()}
+    lens = LENS.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        g = codec.decode_factors(on, lens, 64, **kw, sizes=sizes)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(g.us.cpu(), cpu.us) and torch.equal(g.vt.cpu(), cpu.vt) and torch.equal(g.us_scale.cpu(), cpu.us_scale)

@@ -177,26 +177,27 @@ def decode(codes: torch.Tensor, maxima: torch.Tensor, n: int, group: int, levels
     return torch.round(x.flatten()[:n]).clamp(-127, 127).to(torch.int8)
 
 
-def column_order(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+def column_order(rows: torch.Tensor, cols: torch.Tensor, total: int | None = None) -> torch.Tensor:
     """Ragged blocks rows[b] x cols[b], row-major and concatenated: where each element goes in the
     column-major layout (every block keeps its offset o; element (j, c) moves from o + j * cols + c to
-    o + c * rows + j).  Encode ``x[p] = flat``, decode ``flat = x[p]``.  [sum rows * cols] int64."""
+    o + c * rows + j).  Encode ``x[p] = flat``, decode ``flat = x[p]``.  [sum rows * cols] int64.
+    ``total``: sum(rows * cols) when the caller knows it (no read of the device's sum: no host sync on CUDA)."""
     rows, cols = rows.long().flatten(), cols.long().flatten()
     size = rows * cols
-    total = int(size.sum())
+    total = int(size.sum()) if total is None else total
     if total == 0:
         return torch.zeros(0, dtype=torch.long, device=rows.device)
-    off = torch.repeat_interleave(torch.cumsum(size, 0) - size, size)
+    off = torch.repeat_interleave(torch.cumsum(size, 0) - size, size, output_size=total)
     # (j, c) of each element from its index t within the block, in float32: t < rows * cols is exact there and
     # t / cols is at least 1 / cols away from the next integer, so floor() is exact (and faster than integer division)
     t = (torch.arange(total, device=rows.device) - off).float()
-    c = torch.repeat_interleave(cols.float(), size)
+    c = torch.repeat_interleave(cols.float(), size, output_size=total)
     j = torch.floor(t / c)
-    return off + ((t - j * c) * torch.repeat_interleave(rows.float(), size) + j).long()
+    return off + ((t - j * c) * torch.repeat_interleave(rows.float(), size, output_size=total) + j).long()
 
 
-def _us_order(rank: torch.Tensor, span_len: torch.Tensor) -> torch.Tensor:
-    return column_order(span_len.long().view(1, -1).expand_as(rank), rank)
+def _us_order(rank: torch.Tensor, span_len: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    return column_order(span_len.long().view(1, -1).expand_as(rank), rank, total)
 
 
 def _to_columns(us: torch.Tensor, rank: torch.Tensor, span_len: torch.Tensor) -> torch.Tensor:
@@ -216,15 +217,23 @@ def _to_columns(us: torch.Tensor, rank: torch.Tensor, span_len: torch.Tensor) ->
     return x
 
 
-def _lead_mask(rank: torch.Tensor, d: int, lead: int) -> torch.Tensor:
-    """Elements of a packed ``vt`` in the first ``lead`` rows of their block: bool [sum r * d]."""
+def _lead_mask(rank: torch.Tensor, d: int, lead: int, total: int | None = None) -> torch.Tensor:
+    """Elements of a packed ``vt`` in the first ``lead`` rows of their block: bool [sum r * d].  ``total``: sum(r),
+    when the caller knows it (no host sync on CUDA)."""
     r = rank.long().flatten()
-    total = int(r.sum())
+    total = int(r.sum()) if total is None else total
     if total == 0:
         return torch.zeros(0, dtype=torch.bool, device=r.device)
     first = torch.cumsum(r, 0) - r
-    comp = torch.arange(total, device=r.device) - torch.repeat_interleave(first, r)  # each vt row's component index
+    comp = torch.arange(total, device=r.device) - torch.repeat_interleave(first, r, output_size=total)  # each vt row's component index
     return (comp < lead).repeat_interleave(d)
+
+
+def factor_sizes(rank: torch.Tensor, span_len: torch.Tensor, lead: int) -> tuple[int, int, int]:
+    """(us elements, vt rows, vt rows in the first ``lead`` of their block) of factors with these ranks [Hkv, S] and
+    span lengths [S]: the sizes a decode needs, read where the ranks are (the host: the pack's tensors)."""
+    r = rank.long()
+    return int((r * span_len.long().view(1, -1)).sum()), int(r.sum()), int(r.clamp_max(lead).sum())
 
 
 def encode_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,19 +286,32 @@ def scale_names(scales: str) -> tuple[str, ...]:
     return ("us_scale", "vt_scale") if scales == "fp16" else ("us_scale.l8", "us_scale.l8p", "vt_scale.l8", "vt_scale.l8p")
 
 
-def decode_factors(t: dict[str, torch.Tensor], span_len: torch.Tensor, d: int, *, group: int, levels: str, order: str, lead: int, scales: str = "fp16") -> fz.Factors:
+def decode_factors(t: dict[str, torch.Tensor], span_len: torch.Tensor, d: int, *, group: int, levels: str, order: str, lead: int, scales: str = "fp16",
+                   sizes: tuple[int, int, int] | None = None) -> fz.Factors:
     """Inverse of :func:`encode_factors` (tensors on one device): the int8 factors factorize.pack wrote, up to
-    the code's error."""
+    the code's error.  ``sizes``: :func:`factor_sizes` of the ranks, read on the host by the caller; with them a
+    decode on an accelerator reads nothing back from it (no host sync): the vt rows are placed by their running
+    counts instead of boolean indexing."""
     rank = t["rank"]
-    n_us = int((rank.long() * span_len.long().view(1, -1)).sum())
+    n_us, n_rows, n_lead = sizes if sizes is not None else factor_sizes(rank, span_len, lead)
     cus, mus, cvt, mvt = code_names(levels)
     us = decode(t[cus], t[mus], n_us, group, levels)
     if order == "col":
-        us = us[_us_order(rank, span_len.to(rank.device))]
-    lm = _lead_mask(rank, d, lead)
-    vt = torch.empty(lm.numel(), dtype=torch.int8, device=rank.device)
-    vt[lm] = t["vt.lead"]
-    vt[~lm] = decode(t[cvt], t[mvt], int((~lm).sum()), group, levels)
+        us = us[_us_order(rank, span_len.to(rank.device), n_us)]
+    lm = _lead_mask(rank, d, lead, n_rows)
+    n_other = (n_rows - n_lead) * d
+    rest = decode(t[cvt], t[mvt], n_other, group, levels)
+    lead_vals = t["vt.lead"]
+    if lead_vals.numel() != n_lead * d:
+        raise ValueError(f"factor codec: {lead_vals.numel()} leading vt elements where the ranks give {n_lead * d}")
+    if n_lead == 0:
+        vt = rest
+    elif n_other == 0:
+        vt = lead_vals.clone()
+    else:  # element i is the c_i-th leading one or the (i - c_i)-th other one, c_i the leading ones up to i
+        c = torch.cumsum(lm, 0)
+        i = torch.arange(lm.numel(), device=lm.device)
+        vt = torch.where(lm, lead_vals[(c - 1).clamp_min(0)], rest[(i - c).clamp(0, n_other - 1)])
     if scales == "log8":
         us_s, vt_s = decode_scales(t["us_scale.l8"], t["us_scale.l8p"]), decode_scales(t["vt_scale.l8"], t["vt_scale.l8p"])
     else:
@@ -338,8 +360,10 @@ def read_factors(store, names: set[str], prefix: str, device=None, to_host: bool
     if segs is not None:  # a pack `sekv add` extended: each segment decoded on its own, then in (head, span) order
         return _read_segments(store, prefix, parts, segs, span_len, head_dim, cfg, device, to_host)
     if device is not None and torch.device(device).type == "cuda":
-        t = {k: store.get(f"{prefix}.{k}").to(device) for k in parts}
-        f = decode_factors(t, span_len.to(device), head_dim, **cfg)
+        host = {k: store.get(f"{prefix}.{k}") for k in parts}
+        sizes = factor_sizes(host["rank"], span_len, cfg["lead"])  # on the host: the decode there reads nothing back
+        t = {k: v.to(device) for k, v in host.items()}
+        f = decode_factors(t, span_len.to(device), head_dim, **cfg, sizes=sizes)
         return fz.Factors(*(x.cpu() for x in (f.us, f.vt, f.rank, f.us_scale, f.vt_scale))) if to_host else f
     with fz.single_thread():  # element-wise passes over ~1M elements: two threads were 5x slower on our 2-core CPU
         return decode_factors({k: store.get(f"{prefix}.{k}") for k in parts}, span_len, head_dim, **cfg)
@@ -376,7 +400,8 @@ def _read_segments(store, prefix, parts, segs, span_len, head_dim, cfg, device, 
         for j, (a, b) in enumerate(zip(segs, segs[1:])):
             t = {k: store.get(segment_name(prefix, j, k)).to(dev) for k in parts if k != "rank"}
             t["rank"] = rank[:, a:b].contiguous().to(dev)
-            f = decode_factors(t, span_len[a:b].to(dev), head_dim, **cfg)
+            sizes = factor_sizes(rank[:, a:b], span_len[a:b], cfg["lead"])  # the host's ranks: no sync on CUDA
+            f = decode_factors(t, span_len[a:b].to(dev), head_dim, **cfg, sizes=sizes)
             pieces.append(({"us": f.us, "vt": f.vt, "rank": f.rank, "us_scale": f.us_scale, "vt_scale": f.vt_scale}, span_len[a:b].to(dev)))
         f = merge_factors(pieces, head_dim)
     return fz.Factors(*(x.cpu() for x in (f.us, f.vt, f.rank, f.us_scale, f.vt_scale))) if cuda and to_host else f
