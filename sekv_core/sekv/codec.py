@@ -146,7 +146,7 @@ def encode(q: torch.Tensor, group: int, levels: str = "nf4") -> tuple[torch.Tens
 
 
 def _encode(q: torch.Tensor, group: int, levels: str) -> tuple[torch.Tensor, torch.Tensor]:
-    lv = LEVELS[levels].to(q.device)
+    lv = LEVELS[levels].to(q.device, non_blocking=True)  # pageable: staged at once, no stream sync on CUDA
     n = q.numel()
     g = n_groups(n, group)
     x = torch.zeros(g * group, dtype=torch.float32, device=q.device)
@@ -164,7 +164,7 @@ def decode(codes: torch.Tensor, maxima: torch.Tensor, n: int, group: int, levels
     bits = bits_of(levels)
     if codes.numel() != (n * bits + 7) // 8 or maxima.numel() != n_groups(n, group):
         raise ValueError(f"factor codec: {codes.numel()} codes / {maxima.numel()} group maxima do not hold {n} elements in groups of {group}")
-    lv = LEVELS[levels].to(codes.device)
+    lv = LEVELS[levels].to(codes.device, non_blocking=True)  # pageable: staged at once, no stream sync on CUDA
     g = maxima.numel()
     x = torch.zeros(g * group, dtype=torch.float32, device=codes.device)
     if bits == 4:
@@ -362,8 +362,8 @@ def read_factors(store, names: set[str], prefix: str, device=None, to_host: bool
     if device is not None and torch.device(device).type == "cuda":
         host = {k: store.get(f"{prefix}.{k}") for k in parts}
         sizes = factor_sizes(host["rank"], span_len, cfg["lead"])  # on the host: the decode there reads nothing back
-        t = {k: v.to(device) for k, v in host.items()}
-        f = decode_factors(t, span_len.to(device), head_dim, **cfg, sizes=sizes)
+        t = {k: v.to(device, non_blocking=True) for k, v in host.items()}  # pageable: staged at once, no stream sync
+        f = decode_factors(t, span_len.to(device, non_blocking=True), head_dim, **cfg, sizes=sizes)
         return fz.Factors(*(x.cpu() for x in (f.us, f.vt, f.rank, f.us_scale, f.vt_scale))) if to_host else f
     with fz.single_thread():  # element-wise passes over ~1M elements: two threads were 5x slower on our 2-core CPU
         return decode_factors({k: store.get(f"{prefix}.{k}") for k in parts}, span_len, head_dim, **cfg)

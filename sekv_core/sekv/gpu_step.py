@@ -47,7 +47,7 @@ def build_blocks(res: Residents) -> list[fb.Blocks]:
     """Every layer's factor blocks (sekv/blocks.py): the factors decoded and re-laid on the accelerator, kept in
     pinned host memory there."""
     wd = res.device if res.cuda else None
-    return [fb.build(res.factors.on_device(i), res.span_len, res.shape.head_dim, res.device, pin=res.cuda, work_device=wd)
+    return [fb.build(res.factors.on_device(i), res.span_len, res.shape.head_dim, res.device, pin=res.cuda, work_device=wd, r_max=res.factors.rank_max(i))
             for i in range(res.shape.n_layers)]
 
 
