@@ -276,3 +276,11 @@ def test_cuda_blocks_build_reads_nothing_back_before_its_copy():
     syncs = [x for x in w if "synchroniz" in str(x.message).lower()]
     assert len(syncs) <= 1, [str(x.message) for x in syncs]  # the copy of the blocks to pinned host memory
     assert torch.equal(b.words, ref.words)
+    # wait=False (gpu_step.build_blocks: one wait for every layer): not even that copy waits
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        c = blocks.build(on, lens, 32, "cuda", pin=True, work_device="cuda", r_max=int(f.rank.max()), wait=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.equal(c.words, ref.words)

@@ -74,14 +74,16 @@ class Blocks:
         return self.used.numel() * self.used.element_size()
 
 
-def build(f: fz.Factors, span_len: torch.Tensor, d: int, device, pin: bool, work_device=None, r_max: int | None = None) -> Blocks:
+def build(f: fz.Factors, span_len: torch.Tensor, d: int, device, pin: bool, work_device=None, r_max: int | None = None,
+          wait: bool = True) -> Blocks:
     """Re-lay one layer's packed factors, K and V stacked (``fz.stack_kv``: rank [2 Hkv, S], V blocks are
     heads Hkv..2Hkv-1), as fixed-stride blocks (see module doc).
 
     ``work_device``: where the re-layout runs (the accelerator when there is one; the result lands on the host).
     ``r_max``: the largest rank, read by the caller where the ranks are on the host (the pack's); with it and
     ``span_len`` on the host, the re-layout on an accelerator reads nothing back from it until the blocks' copy
-    to the host.
+    to the host.  ``wait`` False: that copy into pinned memory is left in flight on the current stream (the caller
+    synchronises once for all layers before the host or another stream reads them: gpu_step.build_blocks).
     """
     device = torch.device(device)
     wd = torch.device(work_device) if work_device is not None else torch.device("cpu")
@@ -128,7 +130,7 @@ def build(f: fz.Factors, span_len: torch.Tensor, d: int, device, pin: bool, work
     words = buf.view(-1).view(torch.int64)
     if wd.type != "cpu" or pin:
         host = torch.empty(words.numel(), dtype=torch.int64, pin_memory=pin)
-        host.copy_(words)
+        host.copy_(words, non_blocking=pin and not wait and words.is_cuda)
         words = host
     view = device_view(words, device) if device.type == "cuda" else None
     return Blocks(
