@@ -425,3 +425,46 @@ def test_cuda_decode_reads_nothing_back():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(g.us.cpu(), cpu.us) and torch.equal(g.vt.cpu(), cpu.vt) and torch.equal(g.us_scale.cpu(), cpu.us_scale)
+
+
+@pytest.mark.parametrize("kw", [codec.DEFAULT, dict(codec.VALUES_3BIT, scales="log8"), dict(codec.DEFAULT, lead=0), dict(codec.DEFAULT, lead=40)])
+def test_encode_selects_vt_rows_and_us_columns_as_masks_do(kw, monkeypatch):
+    """encode_factors indexes the factors from the host's ranks (no host sync when they are on CUDA): the codes of
+    selecting the leading vt rows by boolean masks and reordering us by column_order, here, also when us is cut
+    into several runs."""
+    monkeypatch.setattr(codec, "_ENCODE_CHUNK", 256)  # several runs of whole blocks in _to_columns
+    x = torch.randn(2, int(LENS.sum()), 64, generator=torch.Generator().manual_seed(9))
+    f = fz.factorize(x, LENS, energy=0.99, rank_max=32, int8=True)
+    got = codec.encode_factors(f, LENS, 64, **kw)
+    lead_rows = []
+    for r in f.rank.flatten().tolist():
+        lead_rows += [j < kw["lead"] for j in range(r)]
+    lm = torch.tensor(lead_rows, dtype=torch.bool).repeat_interleave(64)
+    p = codec.column_order(LENS.view(1, -1).expand_as(f.rank), f.rank)
+    col = torch.empty_like(f.us)
+    col[p] = f.us
+    cu, mu = codec.encode(col, kw["group"], kw["levels"])
+    cv, mv = codec.encode(f.vt[~lm], kw["group"], kw["levels"])
+    want = dict(zip(codec.code_names(kw["levels"]), (cu, mu, cv, mv)))
+    want["vt.lead"] = f.vt[lm]
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_encode_reads_nothing_back():
+    """The merge's coding on CUDA (factors there, ranks and row scales on the host): no host sync until its results
+    are copied back, and the CPU's codes."""
+    x = torch.randn(2, int(LENS.sum()), 64, generator=torch.Generator().manual_seed(10))
+    f = fz.factorize(x, LENS, energy=0.99, rank_max=32, int8=True)
+    kw = dict(codec.VALUES_3BIT, scales="log8")
+    cpu = codec.encode_factors(f, LENS, 64, **kw)
+    on = fz.Factors(f.us.cuda(), f.vt.cuda(), f.rank, f.us_scale, f.vt_scale)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = codec.encode_factors(on, LENS, 64, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for k, v in cpu.items():
+        assert torch.equal(got[k].cpu(), v), k

@@ -202,19 +202,37 @@ def _us_order(rank: torch.Tensor, span_len: torch.Tensor, total: int | None = No
 
 def _to_columns(us: torch.Tensor, rank: torch.Tensor, span_len: torch.Tensor) -> torch.Tensor:
     """``x[_us_order(rank, span_len)] = us``, a run of whole blocks at a time (a block keeps its offset, so runs
-    reorder independently): the index temporaries stay ~_ENCODE_CHUNK elements."""
+    reorder independently): the index temporaries stay ~_ENCODE_CHUNK elements.  The runs are cut where ``rank``
+    and ``span_len`` are (the host's, from encode_factors: nothing is read back from ``us``'s device)."""
     rows = span_len.long().view(1, -1).expand_as(rank).flatten()
     cols = rank.long().flatten()
     size = rows * cols
     x = torch.empty_like(us)
     end = torch.cumsum(size, 0)
+    dev = us.device
     b0, o0 = 0, 0
     while b0 < size.numel():
         b1 = max(b0 + 1, int(torch.searchsorted(end, o0 + _ENCODE_CHUNK, right=True)))
         o1 = int(end[b1 - 1])
-        x[o0:o1][column_order(rows[b0:b1], cols[b0:b1])] = us[o0:o1]
+        order = column_order(rows[b0:b1].to(dev, non_blocking=True), cols[b0:b1].to(dev, non_blocking=True), o1 - o0)
+        x[o0:o1][order] = us[o0:o1]
         b0, o0 = b1, o1
     return x
+
+
+def _vt_rows(rank: torch.Tensor, lead: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of a packed ``vt`` ([sum r, d]) in the first ``lead`` of their block, and the others, ascending: the
+    rows :func:`_lead_mask` marks and leaves, as indices (made where ``rank`` is)."""
+    r = rank.long().flatten()
+    first = torch.cumsum(r, 0) - r
+    n_lead = r.clamp_max(lead)
+    return _runs(first, n_lead), _runs(first + n_lead, r - n_lead)
+
+
+def _runs(start: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """start[b], start[b] + 1, ..., start[b] + n[b] - 1 for every b, concatenated: int64 [sum n]."""
+    k = int(n.sum())
+    return torch.repeat_interleave(start, n, output_size=k) + torch.arange(k) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n, output_size=k)
 
 
 def _lead_mask(rank: torch.Tensor, d: int, lead: int, total: int | None = None) -> torch.Tensor:
@@ -266,14 +284,18 @@ def encode_factors(f: fz.Factors, span_len: torch.Tensor, d: int, *, group: int,
     if f.us_scale is None:
         raise ValueError("factor codec: the factors must be int8 (factors_8bit)")
     dev = f.us.device
+    # what indexes the factors is made from the ranks and span lengths on the host (merge keeps its ranks there when
+    # the factors are on an accelerator): no size or boolean selection is read back from the device
+    rank, span_len = f.rank.cpu(), span_len.cpu()
     us = f.us
     if order == "col":
-        us = _to_columns(us, f.rank.to(dev), span_len.to(dev))
-    lm = _lead_mask(f.rank.to(dev), d, lead)
+        us = _to_columns(us, rank, span_len)
+    lead_rows, rest_rows = (i.to(dev, non_blocking=True) for i in _vt_rows(rank, lead))
+    vt = f.vt.reshape(-1, d)
     cu, mu = encode(us, group, levels)
-    cv, mv = encode(f.vt[~lm], group, levels)
+    cv, mv = encode(vt.index_select(0, rest_rows).flatten(), group, levels)
     out = dict(zip(code_names(levels), (cu, mu, cv, mv)))
-    out.update({"vt.lead": f.vt[lm].contiguous(), "rank": f.rank})
+    out.update({"vt.lead": vt.index_select(0, lead_rows).flatten(), "rank": f.rank})
     for k in ("us_scale", "vt_scale"):
         if scales == "log8":
             out[f"{k}.l8"], out[f"{k}.l8p"] = encode_scales(getattr(f, k))

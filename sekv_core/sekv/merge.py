@@ -148,7 +148,8 @@ def encode_factors(f: fz.Factors, span_len: torch.Tensor, d: int, cfg: dict, dev
     codes (log2, whose last bit may differ between libraries) stay on the host, as the layout's cheap part."""
     if device is None or torch.device(device).type != "cuda" or f.us_scale is None:
         return codec.encode_factors(f, span_len, d, **cfg)
-    on = fz.Factors(f.us.to(device), f.vt.to(device), f.rank.to(device), f.us_scale, f.vt_scale)
+    # the ranks stay on the host, where codec.encode_factors reads every size and index from them (no host sync)
+    on = fz.Factors(f.us.to(device, non_blocking=True), f.vt.to(device, non_blocking=True), f.rank, f.us_scale, f.vt_scale)
     return {k: v.cpu() for k, v in codec.encode_factors(on, span_len, d, **cfg).items()}
 
 
