@@ -232,7 +232,7 @@ def _vt_rows(rank: torch.Tensor, lead: int) -> tuple[torch.Tensor, torch.Tensor]
 def _runs(start: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     """start[b], start[b] + 1, ..., start[b] + n[b] - 1 for every b, concatenated: int64 [sum n]."""
     k = int(n.sum())
-    return torch.repeat_interleave(start, n, output_size=k) + torch.arange(k) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n, output_size=k)
+    return torch.repeat_interleave(start, n, output_size=k) + torch.arange(k, device=n.device) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n, output_size=k)
 
 
 def _lead_mask(rank: torch.Tensor, d: int, lead: int, total: int | None = None) -> torch.Tensor:
