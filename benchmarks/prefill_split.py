@@ -5,6 +5,8 @@ device synchronised around it, after a warm-up prefill so no variant pays the pr
     full       no scores (full's prefill)
     surprisal  + the surprisal read off the LM head (what segmentation needs)
     sekv       + the observation queries the scout's profile needs (sekv's prefill: both)
+    sekv+arena sekv's, with the pack's host memory allocated on a second thread meanwhile, as `sekv ingest` does on
+               CUDA (SekvMethod.reserve_host, sekv/host_copies.py HostArena)
     text       the text scores ingest computes before the prefill (sekv's word terms, sekv/lexical.py)
 
     python -m benchmarks.prefill_split --doc bench_docs/niah_16384.txt --model qwen2.5-0.5b --repeat 2 --out prefill_split.json
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from sekv_core import methods, models, placement
     from sekv_core.documents import load_document
-    from sekv_core.ingest import _encode_text
+    from sekv_core.ingest import _encode_text, model_shape
     from sekv_core.methods import scores
     from sekv_core.prefill import prefill
 
@@ -50,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.tokens:
         ids = ids[: a.tokens]
     sekv = methods.get("sekv")
+    shape = model_shape(lm)
     p = sekv.resolve_params(None)
     obs = sekv.obs_window(p)
     variants = {
@@ -73,6 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(a.repeat):
         for name, kw in variants.items():
             run(name, lambda kw=kw: prefill(lm.model, x, obs_window=obs, **kw))
+
+        def with_arena():
+            sekv.reserve_host(len(ids), shape, p)
+            prefill(lm.model, x, obs_window=obs, **variants["sekv"])
+            sekv._arena.take()
+            sekv._arena = None
+
+        run("sekv+arena", with_arena)
         if not a.tokens:
             run("text", lambda: scores.text_scores(lm.tokenizer, text, ids, sekv.needs(p), offsets=offsets))
     if a.out:
