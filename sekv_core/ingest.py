@@ -59,6 +59,12 @@ def _tokenize(lm: models.LoadedModel, doc: Document, system: str | None = None) 
 def _encode(lm: models.LoadedModel, doc: Document, system: str | None = None, appended: bool = False) -> tuple[list[int], list[list[int]], int, list[dict]]:
     """_tokenize(), and a corpus's documents as the manifest records them (document.parts), their token ranges.
     ``appended``: the tokens of documents added to a pack (prompt.document_continuation; `sekv add`)."""
+    return _encode_text(lm, doc, system, appended)[:4]
+
+
+def _encode_text(lm: models.LoadedModel, doc: Document, system: str | None = None, appended: bool = False):
+    """_encode(), and the tokenized text with every token's character range in it (what the text scores read, so
+    they need not tokenize the document again)."""
     if appended:
         text, doc_start = prompt.document_continuation(doc.text), len(prompt.CONTINUATION_OPEN)
     else:
@@ -77,7 +83,7 @@ def _encode(lm: models.LoadedModel, doc: Document, system: str | None = None, ap
             runs[-1][2] = i + 1
         else:
             runs.append([page, i, i + 1])
-    return ids, runs, header, _part_tokens(doc, rels)
+    return ids, runs, header, _part_tokens(doc, rels), text, enc["offset_mapping"]
 
 
 def _part_tokens(doc: Document, rels: list[int]) -> list[dict]:
@@ -178,7 +184,7 @@ def ingest(
         raise DocumentError("several documents, a folder or standard input make a pack only with -o PACK (out=)")
     out_path = Path(out) if out else default_pack_path(doc.path)
     with stage("tokenize"):
-        ids, page_runs, header_len, parts = _encode(lm, doc, system)
+        ids, page_runs, header_len, parts, text, offsets = _encode_text(lm, doc, system)
     rope_scale.prepare(lm, cache_method, len(ids), rope_scaling, reserve=RESERVE_TOKENS, what=str(doc.path or doc.name))
     plan = plan_windows(lm, doc, len(ids), cache_method, header_len)
     shape = model_shape(lm)
@@ -189,7 +195,7 @@ def ingest(
     slot = prepare_output(out_path, force=force, inputs=inputs, needed_bytes=needed + (1 << 20))
     try:
         needs = cache_method.needs(params)
-        text_scores = scores.text_scores(lm.tokenizer, prompt.document_prefix(lm.tokenizer, doc.text, system), ids, needs, system)
+        text_scores = scores.text_scores(lm.tokenizer, text, ids, needs, system, offsets=offsets)
         on_gpu = placement.input_device(lm.model).type == "cuda"
         if on_gpu and len(plan) == 1:  # host memory for compress's results, ready by the time it runs
             cache_method.reserve_host(len(ids), shape, params)

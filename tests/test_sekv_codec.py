@@ -372,3 +372,99 @@ def test_lazy_factors_give_the_eager_open_s_attention(monkeypatch):
     assert any(k.endswith(".us.q4") for k in counted.reads)  # read when the step needed them
     for (fe, _), (fl, _) in zip(eager.res.factors, lazy.res.factors):  # and the reference step's host factors
         assert torch.equal(fe.us, fl.us) and torch.equal(fe.vt, fl.vt) and torch.equal(fe.rank, fl.rank)
+
+
+def _reference_vt(t: dict, rank: torch.Tensor, d: int, cfg: dict) -> torch.Tensor:
+    """The packed vt from its coded tensors by boolean masks, the leading rows of every block found block by block."""
+    lead_rows = []
+    for r in rank.flatten().tolist():
+        lead_rows += [j < cfg["lead"] for j in range(r)]
+    lm = torch.tensor(lead_rows, dtype=torch.bool).repeat_interleave(d)
+    vt = torch.zeros(lm.numel(), dtype=torch.int8)
+    vt[lm] = t["vt.lead"]
+    _, _, cvt, mvt = codec.code_names(cfg["levels"])
+    vt[~lm] = codec.decode(t[cvt], t[mvt], int((~lm).sum()), cfg["group"], cfg["levels"])
+    return vt
+
+
+@pytest.mark.parametrize("kw", [codec.DEFAULT, dict(codec.VALUES_3BIT, scales="log8"), dict(codec.DEFAULT, lead=0), dict(codec.DEFAULT, lead=40)])
+def test_decode_places_vt_rows_as_boolean_masks_do(kw):
+    """decode_factors places the leading and the coded vt rows by their running counts (no host sync on CUDA): the
+    same int8 factors as placing them by boolean masks; with the host's sizes handed in or read off the ranks."""
+    x = torch.randn(2, int(LENS.sum()), 64, generator=torch.Generator().manual_seed(6))
+    f = fz.factorize(x, LENS, energy=0.99, rank_max=32, int8=True)
+    t = codec.encode_factors(f, LENS, 64, **kw)
+    want = _reference_vt(t, f.rank, 64, kw)
+    sizes = codec.factor_sizes(f.rank, LENS, kw["lead"])
+    assert sizes == (int((f.rank * LENS.view(1, -1)).sum()), int(f.rank.sum()), int(f.rank.clamp_max(kw["lead"]).sum()))
+    for s in (None, sizes):
+        g = codec.decode_factors(t, LENS, 64, **kw, sizes=s)
+        assert torch.equal(g.vt, want)
+        assert g.us.shape == f.us.shape and torch.equal(g.rank, f.rank)
+    if kw["lead"]:  # a damaged pack's leading rows: an error, not factors shifted by one
+        with pytest.raises(ValueError):
+            codec.decode_factors(dict(t, **{"vt.lead": t["vt.lead"][:-1]}), LENS, 64, **kw)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_decode_reads_nothing_back():
+    """A pack's factors decoded on CUDA with the host's sizes: no host sync (torch's sync debug mode raises on one),
+    and the CPU's int8 factors."""
+    x = torch.randn(2, int(LENS.sum()), 64, generator=torch.Generator().manual_seed(7))
+    f = fz.factorize(x, LENS, energy=0.99, rank_max=32, int8=True)
+    kw = dict(codec.VALUES_3BIT, scales="log8")
+    t = codec.encode_factors(f, LENS, 64, **kw)
+    cpu = codec.decode_factors(t, LENS, 64, **kw)
+    sizes = codec.factor_sizes(f.rank, LENS, kw["lead"])
+    on = {k: v.cuda() for k, v in t.items()}
+    lens = LENS.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        g = codec.decode_factors(on, lens, 64, **kw, sizes=sizes)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(g.us.cpu(), cpu.us) and torch.equal(g.vt.cpu(), cpu.vt) and torch.equal(g.us_scale.cpu(), cpu.us_scale)
+
+
+@pytest.mark.parametrize("kw", [codec.DEFAULT, dict(codec.VALUES_3BIT, scales="log8"), dict(codec.DEFAULT, lead=0), dict(codec.DEFAULT, lead=40)])
+def test_encode_selects_vt_rows_and_us_columns_as_masks_do(kw, monkeypatch):
+    """encode_factors indexes the factors from the host's ranks (no host sync when they are on CUDA): the codes of
+    selecting the leading vt rows by boolean masks and reordering us by column_order, here, also when us is cut
+    into several runs."""
+    monkeypatch.setattr(codec, "_ENCODE_CHUNK", 256)  # several runs of whole blocks in _to_columns
+    x = torch.randn(2, int(LENS.sum()), 64, generator=torch.Generator().manual_seed(9))
+    f = fz.factorize(x, LENS, energy=0.99, rank_max=32, int8=True)
+    got = codec.encode_factors(f, LENS, 64, **kw)
+    lead_rows = []
+    for r in f.rank.flatten().tolist():
+        lead_rows += [j < kw["lead"] for j in range(r)]
+    lm = torch.tensor(lead_rows, dtype=torch.bool).repeat_interleave(64)
+    p = codec.column_order(LENS.view(1, -1).expand_as(f.rank), f.rank)
+    col = torch.empty_like(f.us)
+    col[p] = f.us
+    cu, mu = codec.encode(col, kw["group"], kw["levels"])
+    cv, mv = codec.encode(f.vt[~lm], kw["group"], kw["levels"])
+    want = dict(zip(codec.code_names(kw["levels"]), (cu, mu, cv, mv)))
+    want["vt.lead"] = f.vt[lm]
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_encode_reads_nothing_back():
+    """The merge's coding on CUDA (factors there, ranks and row scales on the host): no host sync until its results
+    are copied back, and the CPU's codes."""
+    x = torch.randn(2, int(LENS.sum()), 64, generator=torch.Generator().manual_seed(10))
+    f = fz.factorize(x, LENS, energy=0.99, rank_max=32, int8=True)
+    kw = dict(codec.VALUES_3BIT, scales="log8")
+    cpu = codec.encode_factors(f, LENS, 64, **kw)
+    on = fz.Factors(f.us.cuda(), f.vt.cuda(), f.rank, f.us_scale, f.vt_scale)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = codec.encode_factors(on, LENS, 64, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for k, v in cpu.items():
+        assert torch.equal(got[k].cpu(), v), k

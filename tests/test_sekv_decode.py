@@ -242,3 +242,45 @@ def test_blocks_built_on_a_second_thread_give_the_same_step():
     broken._blocks = gpu_step.BlockBuild(broken.res)
     with pytest.raises(PackError, match="checksum"):
         runtime.forward_logits(model, q, broken.n_tokens(), broken)
+
+
+def test_blocks_with_the_hosts_largest_rank_are_the_same_words():
+    """build() given the largest rank by its caller (the pack's host ranks, PackFactors.rank_max) lays the same blocks."""
+    lens = torch.tensor([3, 17, 33, 40, 64, 70, 100, 5])
+    x = torch.randn(2, int(lens.sum()), 32, generator=torch.Generator().manual_seed(8))
+    f = fz.stack_kv(fz.factorize(x, lens, energy=0.9, rank_max=16, int8=True), fz.factorize(x.flip(-1), lens, energy=0.95, rank_max=16, int8=True))
+    a = blocks.build(f, lens, 32, "cpu", pin=False)
+    b = blocks.build(f, lens, 32, "cpu", pin=False, r_max=int(f.rank.max()))
+    assert torch.equal(a.words, b.words) and torch.equal(a.used, b.used) and (a.stride, a.r_max, a.n_max) == (b.stride, b.r_max, b.n_max)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_blocks_build_reads_nothing_back_before_its_copy():
+    """On CUDA, given the host's span lengths and largest rank, the re-layout makes no host sync before the blocks'
+    copy to the host (torch's sync debug mode, "warn" so the copy itself passes; counted here)."""
+    import warnings
+
+    lens = torch.tensor([3, 17, 33, 40, 64, 70, 100, 5])
+    x = torch.randn(2, int(lens.sum()), 32, generator=torch.Generator().manual_seed(9))
+    f = fz.stack_kv(fz.factorize(x, lens, energy=0.9, rank_max=16, int8=True), fz.factorize(x.flip(-1), lens, energy=0.95, rank_max=16, int8=True))
+    ref = blocks.build(f, lens, 32, "cpu", pin=False)
+    on = fz.Factors(*(t.cuda() for t in (f.us, f.vt, f.rank, f.us_scale, f.vt_scale)))
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            b = blocks.build(on, lens, 32, "cuda", pin=True, work_device="cuda", r_max=int(f.rank.max()))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [x for x in w if "synchroniz" in str(x.message).lower()]
+    assert len(syncs) <= 1, [str(x.message) for x in syncs]  # the copy of the blocks to pinned host memory
+    assert torch.equal(b.words, ref.words)
+    # wait=False (gpu_step.build_blocks: one wait for every layer): not even that copy waits
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        c = blocks.build(on, lens, 32, "cuda", pin=True, work_device="cuda", r_max=int(f.rank.max()), wait=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.equal(c.words, ref.words)

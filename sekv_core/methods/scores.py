@@ -56,16 +56,17 @@ TEXT_SCORES = ("token_text", "lex_terms", "kvzip_prompts", "doc_range")
 _MASS_BLOCK = 1 << 24
 
 
-def text_scores(tokenizer, text: str, ids: list[int], needs, system: str | None = None) -> dict[str, Any]:
+def text_scores(tokenizer, text: str, ids: list[int], needs, system: str | None = None, offsets=None) -> dict[str, Any]:
     """The TEXT_SCORES named in ``needs`` for the document prefix ``text`` tokenized as ``ids`` (made with the
-    system prompt ``system``, None: the default)."""
+    system prompt ``system``, None: the default); ``offsets``: the tokens' character ranges in ``text`` when the
+    caller tokenized it with them (ingest), else the lexical terms tokenize it again."""
     out: dict[str, Any] = {}
     if "token_text" in needs:
         out["token_text"] = tokenizer.batch_decode([[t] for t in ids])
     if "lex_terms" in needs:
         from ..sekv import lexical
 
-        terms = lexical.document_terms(tokenizer, text)
+        terms = lexical.document_terms(tokenizer, text, offsets)
         if terms.numel() != len(ids):
             raise ValueError(f"lex_terms: {terms.numel()} token terms for {len(ids)} tokens (another tokenization of the text?)")
         out["lex_terms"] = terms
@@ -98,7 +99,8 @@ class ScoreMemory(FullMemory):
         self.obs_window = max(0, min(int(obs_window), n_total))
         self.scaling: float | None = None
         h, d, L = shape.n_heads, shape.head_dim, shape.n_layers
-        self.obs_queries = [torch.zeros(h, self.obs_window, d) for _ in range(L)] if "obs_queries" in capture else None
+        # each layer's recorded queries stay where the layer computes until export() (no host sync inside the prefill)
+        self.obs_queries: list[torch.Tensor | None] | None = [None] * L if "obs_queries" in capture else None
         self.attn_mass = [torch.zeros(h, n_total) for _ in range(L)] if "attn_mass" in capture else None
 
     @classmethod
@@ -122,16 +124,40 @@ class ScoreMemory(FullMemory):
         w0 = self.n_total - self.obs_window
         a, b = max(start, w0), min(start + query.shape[-2], self.n_total)
         if a < b:
-            self.obs_queries[layer][:, a - w0 : b - w0] = query[0, :, a - start : b - start].float().cpu()
+            if self.obs_queries[layer] is None:
+                self.obs_queries[layer] = torch.zeros(query.shape[1], self.obs_window, query.shape[-1], device=query.device)
+            self.obs_queries[layer][:, a - w0 : b - w0] = query[0, :, a - start : b - start].float()
+
+    def _queries_on_host(self) -> list[torch.Tensor]:
+        """The recorded queries, per layer [H, w, d] float32 on the host (zeros for a layer that recorded none)."""
+        h, d = self.shape.n_heads, self.shape.head_dim
+        qs = [q if q is not None else torch.zeros(h, self.obs_window, d) for q in self.obs_queries]
+        return _host_layers(qs)
 
     def export(self) -> dict[str, Any]:
         out: dict[str, Any] = {"scaling": self.scaling if self.scaling is not None else self.shape.head_dim**-0.5}
         if self.obs_queries is not None:
-            out["obs_queries"] = self.obs_queries
+            out["obs_queries"] = self._queries_on_host()
             out["obs_window"] = self.obs_window
         if self.attn_mass is not None:
             out["attn_mass"] = self.attn_mass
         return out
+
+
+def _host_layers(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-layer tensors -> host tensors: those on one device stacked and copied in one transfer (one host sync)."""
+    out: list[torch.Tensor | None] = [None] * len(xs)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, x in enumerate(xs):
+        by_device.setdefault(x.device, []).append(i)
+    for dev, idx in by_device.items():
+        if dev.type == "cpu" or len(idx) == 1:
+            for i in idx:
+                out[i] = xs[i].cpu()
+            continue
+        for i, x in zip(idx, torch.stack([xs[i] for i in idx]).cpu().unbind(0)):
+            out[i] = x
+    return out
 
 
 def accumulated_attention(query: torch.Tensor, keys: torch.Tensor, scaling: float, start: int) -> torch.Tensor:

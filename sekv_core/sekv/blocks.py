@@ -74,11 +74,16 @@ class Blocks:
         return self.used.numel() * self.used.element_size()
 
 
-def build(f: fz.Factors, span_len: torch.Tensor, d: int, device, pin: bool, work_device=None) -> Blocks:
+def build(f: fz.Factors, span_len: torch.Tensor, d: int, device, pin: bool, work_device=None, r_max: int | None = None,
+          wait: bool = True) -> Blocks:
     """Re-lay one layer's packed factors, K and V stacked (``fz.stack_kv``: rank [2 Hkv, S], V blocks are
     heads Hkv..2Hkv-1), as fixed-stride blocks (see module doc).
 
     ``work_device``: where the re-layout runs (the accelerator when there is one; the result lands on the host).
+    ``r_max``: the largest rank, read by the caller where the ranks are on the host (the pack's); with it and
+    ``span_len`` on the host, the re-layout on an accelerator reads nothing back from it until the blocks' copy
+    to the host.  ``wait`` False: that copy into pinned memory is left in flight on the current stream (the caller
+    synchronises once for all layers before the host or another stream reads them: gpu_step.build_blocks).
     """
     device = torch.device(device)
     wd = torch.device(work_device) if work_device is not None else torch.device("cpu")
@@ -87,17 +92,18 @@ def build(f: fz.Factors, span_len: torch.Tensor, d: int, device, pin: bool, work
     int8 = f.us_scale is not None
     dt = f.us.dtype
     es = f.us.element_size()
-    n = span_len.long().to(wd)
+    nm = int(span_len.max()) if s else 0  # where span_len is (the residents': the host)
+    n = span_len.long().to(wd, non_blocking=True)  # from pageable memory: staged at once, no stream sync
     r = f.rank.long().to(wd)
-    nm = int(n.max()) if s else 0
-    rm = int(r.max()) if r.numel() else 0
+    rm = r_max if r_max is not None else (int(r.max()) if r.numel() else 0)
     # the packed order is (kind, g, i, row, col): fill zero-padded tensors with boolean masks in that order
+    # (masked_scatter_: the masked elements in order from the packed ones, no count read back as indexing would)
     rows_ok = (torch.arange(nm, device=wd).view(1, 1, -1) < n.view(1, -1, 1)).expand(h2, -1, -1)  # [2Hkv, S, nm]
     cols_ok = torch.arange(rm, device=wd).view(1, 1, -1) < r.unsqueeze(-1)  # [2Hkv, S, rm]
     us = torch.zeros(h2, s, nm, rm, dtype=dt, device=wd)
-    us[rows_ok.unsqueeze(-1) & cols_ok.unsqueeze(2)] = f.us.to(wd)
+    us.masked_scatter_(rows_ok.unsqueeze(-1) & cols_ok.unsqueeze(2), f.us.to(wd))
     vt = torch.zeros(h2, s, rm, d, dtype=dt, device=wd)
-    vt[cols_ok.unsqueeze(-1).expand(-1, -1, -1, d)] = f.vt.to(wd)
+    vt.masked_scatter_(cols_ok.unsqueeze(-1).expand(-1, -1, -1, d), f.vt.to(wd))
     sc = 2 if int8 else 0
     la, lb, lc, ld = 2 * rm * d * es, 2 * rm * sc, nm * 2 * sc, nm * 2 * rm * es
     oa = 0
@@ -113,9 +119,9 @@ def build(f: fz.Factors, span_len: torch.Tensor, d: int, device, pin: bool, work
         buf[:, od : od + ld].view(dt).copy_(us.view(2, hkv, s, nm, rm).permute(1, 2, 3, 0, 4).reshape(nb, -1))  # [n, 2, r] per block
     if int8:
         uss = torch.zeros(h2, s, nm, dtype=torch.float16, device=wd)
-        uss[rows_ok] = f.us_scale.to(wd)
+        uss.masked_scatter_(rows_ok, f.us_scale.to(wd))
         vts = torch.zeros(h2, s, rm, dtype=torch.float16, device=wd)
-        vts[cols_ok] = f.vt_scale.to(wd)
+        vts.masked_scatter_(cols_ok, f.vt_scale.to(wd))
         if lb:
             buf[:, ob : ob + lb].view(torch.float16).copy_(vts.view(2, hkv, s, rm).permute(1, 2, 0, 3).reshape(nb, -1))  # [2, r]
         if lc:
@@ -124,7 +130,7 @@ def build(f: fz.Factors, span_len: torch.Tensor, d: int, device, pin: bool, work
     words = buf.view(-1).view(torch.int64)
     if wd.type != "cpu" or pin:
         host = torch.empty(words.numel(), dtype=torch.int64, pin_memory=pin)
-        host.copy_(words)
+        host.copy_(words, non_blocking=pin and not wait and words.is_cuda)
         words = host
     view = device_view(words, device) if device.type == "cuda" else None
     return Blocks(

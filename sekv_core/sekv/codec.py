@@ -146,7 +146,7 @@ def encode(q: torch.Tensor, group: int, levels: str = "nf4") -> tuple[torch.Tens
 
 
 def _encode(q: torch.Tensor, group: int, levels: str) -> tuple[torch.Tensor, torch.Tensor]:
-    lv = LEVELS[levels].to(q.device)
+    lv = LEVELS[levels].to(q.device, non_blocking=True)  # pageable: staged at once, no stream sync on CUDA
     n = q.numel()
     g = n_groups(n, group)
     x = torch.zeros(g * group, dtype=torch.float32, device=q.device)
@@ -164,7 +164,7 @@ def decode(codes: torch.Tensor, maxima: torch.Tensor, n: int, group: int, levels
     bits = bits_of(levels)
     if codes.numel() != (n * bits + 7) // 8 or maxima.numel() != n_groups(n, group):
         raise ValueError(f"factor codec: {codes.numel()} codes / {maxima.numel()} group maxima do not hold {n} elements in groups of {group}")
-    lv = LEVELS[levels].to(codes.device)
+    lv = LEVELS[levels].to(codes.device, non_blocking=True)  # pageable: staged at once, no stream sync on CUDA
     g = maxima.numel()
     x = torch.zeros(g * group, dtype=torch.float32, device=codes.device)
     if bits == 4:
@@ -177,54 +177,81 @@ def decode(codes: torch.Tensor, maxima: torch.Tensor, n: int, group: int, levels
     return torch.round(x.flatten()[:n]).clamp(-127, 127).to(torch.int8)
 
 
-def column_order(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+def column_order(rows: torch.Tensor, cols: torch.Tensor, total: int | None = None) -> torch.Tensor:
     """Ragged blocks rows[b] x cols[b], row-major and concatenated: where each element goes in the
     column-major layout (every block keeps its offset o; element (j, c) moves from o + j * cols + c to
-    o + c * rows + j).  Encode ``x[p] = flat``, decode ``flat = x[p]``.  [sum rows * cols] int64."""
+    o + c * rows + j).  Encode ``x[p] = flat``, decode ``flat = x[p]``.  [sum rows * cols] int64.
+    ``total``: sum(rows * cols) when the caller knows it (no read of the device's sum: no host sync on CUDA)."""
     rows, cols = rows.long().flatten(), cols.long().flatten()
     size = rows * cols
-    total = int(size.sum())
+    total = int(size.sum()) if total is None else total
     if total == 0:
         return torch.zeros(0, dtype=torch.long, device=rows.device)
-    off = torch.repeat_interleave(torch.cumsum(size, 0) - size, size)
+    off = torch.repeat_interleave(torch.cumsum(size, 0) - size, size, output_size=total)
     # (j, c) of each element from its index t within the block, in float32: t < rows * cols is exact there and
     # t / cols is at least 1 / cols away from the next integer, so floor() is exact (and faster than integer division)
     t = (torch.arange(total, device=rows.device) - off).float()
-    c = torch.repeat_interleave(cols.float(), size)
+    c = torch.repeat_interleave(cols.float(), size, output_size=total)
     j = torch.floor(t / c)
-    return off + ((t - j * c) * torch.repeat_interleave(rows.float(), size) + j).long()
+    return off + ((t - j * c) * torch.repeat_interleave(rows.float(), size, output_size=total) + j).long()
 
 
-def _us_order(rank: torch.Tensor, span_len: torch.Tensor) -> torch.Tensor:
-    return column_order(span_len.long().view(1, -1).expand_as(rank), rank)
+def _us_order(rank: torch.Tensor, span_len: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    return column_order(span_len.long().view(1, -1).expand_as(rank), rank, total)
 
 
 def _to_columns(us: torch.Tensor, rank: torch.Tensor, span_len: torch.Tensor) -> torch.Tensor:
     """``x[_us_order(rank, span_len)] = us``, a run of whole blocks at a time (a block keeps its offset, so runs
-    reorder independently): the index temporaries stay ~_ENCODE_CHUNK elements."""
+    reorder independently): the index temporaries stay ~_ENCODE_CHUNK elements.  The runs are cut where ``rank``
+    and ``span_len`` are (the host's, from encode_factors: nothing is read back from ``us``'s device)."""
     rows = span_len.long().view(1, -1).expand_as(rank).flatten()
     cols = rank.long().flatten()
     size = rows * cols
     x = torch.empty_like(us)
     end = torch.cumsum(size, 0)
+    dev = us.device
     b0, o0 = 0, 0
     while b0 < size.numel():
         b1 = max(b0 + 1, int(torch.searchsorted(end, o0 + _ENCODE_CHUNK, right=True)))
         o1 = int(end[b1 - 1])
-        x[o0:o1][column_order(rows[b0:b1], cols[b0:b1])] = us[o0:o1]
+        order = column_order(rows[b0:b1].to(dev, non_blocking=True), cols[b0:b1].to(dev, non_blocking=True), o1 - o0)
+        x[o0:o1][order] = us[o0:o1]
         b0, o0 = b1, o1
     return x
 
 
-def _lead_mask(rank: torch.Tensor, d: int, lead: int) -> torch.Tensor:
-    """Elements of a packed ``vt`` in the first ``lead`` rows of their block: bool [sum r * d]."""
+def _vt_rows(rank: torch.Tensor, lead: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of a packed ``vt`` ([sum r, d]) in the first ``lead`` of their block, and the others, ascending: the
+    rows :func:`_lead_mask` marks and leaves, as indices (made where ``rank`` is)."""
     r = rank.long().flatten()
-    total = int(r.sum())
+    first = torch.cumsum(r, 0) - r
+    n_lead = r.clamp_max(lead)
+    return _runs(first, n_lead), _runs(first + n_lead, r - n_lead)
+
+
+def _runs(start: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """start[b], start[b] + 1, ..., start[b] + n[b] - 1 for every b, concatenated: int64 [sum n]."""
+    k = int(n.sum())
+    return torch.repeat_interleave(start, n, output_size=k) + torch.arange(k, device=n.device) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n, output_size=k)
+
+
+def _lead_mask(rank: torch.Tensor, d: int, lead: int, total: int | None = None) -> torch.Tensor:
+    """Elements of a packed ``vt`` in the first ``lead`` rows of their block: bool [sum r * d].  ``total``: sum(r),
+    when the caller knows it (no host sync on CUDA)."""
+    r = rank.long().flatten()
+    total = int(r.sum()) if total is None else total
     if total == 0:
         return torch.zeros(0, dtype=torch.bool, device=r.device)
     first = torch.cumsum(r, 0) - r
-    comp = torch.arange(total, device=r.device) - torch.repeat_interleave(first, r)  # each vt row's component index
+    comp = torch.arange(total, device=r.device) - torch.repeat_interleave(first, r, output_size=total)  # each vt row's component index
     return (comp < lead).repeat_interleave(d)
+
+
+def factor_sizes(rank: torch.Tensor, span_len: torch.Tensor, lead: int) -> tuple[int, int, int]:
+    """(us elements, vt rows, vt rows in the first ``lead`` of their block) of factors with these ranks [Hkv, S] and
+    span lengths [S]: the sizes a decode needs, read where the ranks are (the host: the pack's tensors)."""
+    r = rank.long()
+    return int((r * span_len.long().view(1, -1)).sum()), int(r.sum()), int(r.clamp_max(lead).sum())
 
 
 def encode_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,14 +284,18 @@ def encode_factors(f: fz.Factors, span_len: torch.Tensor, d: int, *, group: int,
     if f.us_scale is None:
         raise ValueError("factor codec: the factors must be int8 (factors_8bit)")
     dev = f.us.device
+    # what indexes the factors is made from the ranks and span lengths on the host (merge keeps its ranks there when
+    # the factors are on an accelerator): no size or boolean selection is read back from the device
+    rank, span_len = f.rank.cpu(), span_len.cpu()
     us = f.us
     if order == "col":
-        us = _to_columns(us, f.rank.to(dev), span_len.to(dev))
-    lm = _lead_mask(f.rank.to(dev), d, lead)
+        us = _to_columns(us, rank, span_len)
+    lead_rows, rest_rows = (i.to(dev, non_blocking=True) for i in _vt_rows(rank, lead))
+    vt = f.vt.reshape(-1, d)
     cu, mu = encode(us, group, levels)
-    cv, mv = encode(f.vt[~lm], group, levels)
+    cv, mv = encode(vt.index_select(0, rest_rows).flatten(), group, levels)
     out = dict(zip(code_names(levels), (cu, mu, cv, mv)))
-    out.update({"vt.lead": f.vt[lm].contiguous(), "rank": f.rank})
+    out.update({"vt.lead": vt.index_select(0, lead_rows).flatten(), "rank": f.rank})
     for k in ("us_scale", "vt_scale"):
         if scales == "log8":
             out[f"{k}.l8"], out[f"{k}.l8p"] = encode_scales(getattr(f, k))
@@ -277,19 +308,32 @@ def scale_names(scales: str) -> tuple[str, ...]:
     return ("us_scale", "vt_scale") if scales == "fp16" else ("us_scale.l8", "us_scale.l8p", "vt_scale.l8", "vt_scale.l8p")
 
 
-def decode_factors(t: dict[str, torch.Tensor], span_len: torch.Tensor, d: int, *, group: int, levels: str, order: str, lead: int, scales: str = "fp16") -> fz.Factors:
+def decode_factors(t: dict[str, torch.Tensor], span_len: torch.Tensor, d: int, *, group: int, levels: str, order: str, lead: int, scales: str = "fp16",
+                   sizes: tuple[int, int, int] | None = None) -> fz.Factors:
     """Inverse of :func:`encode_factors` (tensors on one device): the int8 factors factorize.pack wrote, up to
-    the code's error."""
+    the code's error.  ``sizes``: :func:`factor_sizes` of the ranks, read on the host by the caller; with them a
+    decode on an accelerator reads nothing back from it (no host sync): the vt rows are placed by their running
+    counts instead of boolean indexing."""
     rank = t["rank"]
-    n_us = int((rank.long() * span_len.long().view(1, -1)).sum())
+    n_us, n_rows, n_lead = sizes if sizes is not None else factor_sizes(rank, span_len, lead)
     cus, mus, cvt, mvt = code_names(levels)
     us = decode(t[cus], t[mus], n_us, group, levels)
     if order == "col":
-        us = us[_us_order(rank, span_len.to(rank.device))]
-    lm = _lead_mask(rank, d, lead)
-    vt = torch.empty(lm.numel(), dtype=torch.int8, device=rank.device)
-    vt[lm] = t["vt.lead"]
-    vt[~lm] = decode(t[cvt], t[mvt], int((~lm).sum()), group, levels)
+        us = us[_us_order(rank, span_len.to(rank.device), n_us)]
+    lm = _lead_mask(rank, d, lead, n_rows)
+    n_other = (n_rows - n_lead) * d
+    rest = decode(t[cvt], t[mvt], n_other, group, levels)
+    lead_vals = t["vt.lead"]
+    if lead_vals.numel() != n_lead * d:
+        raise ValueError(f"factor codec: {lead_vals.numel()} leading vt elements where the ranks give {n_lead * d}")
+    if n_lead == 0:
+        vt = rest
+    elif n_other == 0:
+        vt = lead_vals.clone()
+    else:  # element i is the c_i-th leading one or the (i - c_i)-th other one, c_i the leading ones up to i
+        c = torch.cumsum(lm, 0)
+        i = torch.arange(lm.numel(), device=lm.device)
+        vt = torch.where(lm, lead_vals[(c - 1).clamp_min(0)], rest[(i - c).clamp(0, n_other - 1)])
     if scales == "log8":
         us_s, vt_s = decode_scales(t["us_scale.l8"], t["us_scale.l8p"]), decode_scales(t["vt_scale.l8"], t["vt_scale.l8p"])
     else:
@@ -338,8 +382,10 @@ def read_factors(store, names: set[str], prefix: str, device=None, to_host: bool
     if segs is not None:  # a pack `sekv add` extended: each segment decoded on its own, then in (head, span) order
         return _read_segments(store, prefix, parts, segs, span_len, head_dim, cfg, device, to_host)
     if device is not None and torch.device(device).type == "cuda":
-        t = {k: store.get(f"{prefix}.{k}").to(device) for k in parts}
-        f = decode_factors(t, span_len.to(device), head_dim, **cfg)
+        host = {k: store.get(f"{prefix}.{k}") for k in parts}
+        sizes = factor_sizes(host["rank"], span_len, cfg["lead"])  # on the host: the decode there reads nothing back
+        t = {k: v.to(device, non_blocking=True) for k, v in host.items()}  # pageable: staged at once, no stream sync
+        f = decode_factors(t, span_len.to(device, non_blocking=True), head_dim, **cfg, sizes=sizes)
         return fz.Factors(*(x.cpu() for x in (f.us, f.vt, f.rank, f.us_scale, f.vt_scale))) if to_host else f
     with fz.single_thread():  # element-wise passes over ~1M elements: two threads were 5x slower on our 2-core CPU
         return decode_factors({k: store.get(f"{prefix}.{k}") for k in parts}, span_len, head_dim, **cfg)
@@ -376,7 +422,8 @@ def _read_segments(store, prefix, parts, segs, span_len, head_dim, cfg, device, 
         for j, (a, b) in enumerate(zip(segs, segs[1:])):
             t = {k: store.get(segment_name(prefix, j, k)).to(dev) for k in parts if k != "rank"}
             t["rank"] = rank[:, a:b].contiguous().to(dev)
-            f = decode_factors(t, span_len[a:b].to(dev), head_dim, **cfg)
+            sizes = factor_sizes(rank[:, a:b], span_len[a:b], cfg["lead"])  # the host's ranks: no sync on CUDA
+            f = decode_factors(t, span_len[a:b].to(dev), head_dim, **cfg, sizes=sizes)
             pieces.append(({"us": f.us, "vt": f.vt, "rank": f.rank, "us_scale": f.us_scale, "vt_scale": f.vt_scale}, span_len[a:b].to(dev)))
         f = merge_factors(pieces, head_dim)
     return fz.Factors(*(x.cpu() for x in (f.us, f.vt, f.rank, f.us_scale, f.vt_scale))) if cuda and to_host else f

@@ -47,8 +47,11 @@ def build_blocks(res: Residents) -> list[fb.Blocks]:
     """Every layer's factor blocks (sekv/blocks.py): the factors decoded and re-laid on the accelerator, kept in
     pinned host memory there."""
     wd = res.device if res.cuda else None
-    return [fb.build(res.factors.on_device(i), res.span_len, res.shape.head_dim, res.device, pin=res.cuda, work_device=wd)
-            for i in range(res.shape.n_layers)]
+    out = [fb.build(res.factors.on_device(i), res.span_len, res.shape.head_dim, res.device, pin=res.cuda, work_device=wd, r_max=res.factors.rank_max(i),
+                    wait=not res.cuda) for i in range(res.shape.n_layers)]
+    if res.cuda:  # every layer's copy to pinned memory was left in flight: one wait for all of them
+        torch.cuda.current_stream(res.device).synchronize()
+    return out
 
 
 class BlockBuild:

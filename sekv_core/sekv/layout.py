@@ -89,6 +89,10 @@ class PackFactors:
     def on_device(self, i: int) -> fz.Factors:
         return self._host[i][0] if self._host[i] is not None else self._read(i, to_host=False)
 
+    def rank_max(self, i: int) -> int:
+        """Layer i's largest rank, K and V, from the pack's rank tensors (host memory: no device read)."""
+        return max((int(self.store.get(f"sekv.{kind}.{i}.rank").max()) for kind in ("fk", "fv") if self.span_len.numel()), default=0)
+
     def load_all(self) -> "PackFactors":
         for i in range(len(self)):
             self[i]

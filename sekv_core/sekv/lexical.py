@@ -14,7 +14,6 @@ of the word each token belongs to (-1: none); the question's side from the quest
 
 from __future__ import annotations
 
-import bisect
 import math
 import re
 import zlib
@@ -57,23 +56,28 @@ def text_terms(text: str) -> set[int]:
     return {t for t in (term_id(m.group()) for m in _WORD.finditer(text)) if t is not None}
 
 
-def token_terms(text: str, offsets: list[tuple[int, int]]) -> torch.Tensor:
-    """[N] int32: the term of the word each token (character range ``offsets``) of ``text`` overlaps first; -1."""
+def token_terms(text: str, offsets) -> torch.Tensor:
+    """[N] int32: the term of the word each token (character range ``offsets``: pairs, or an [N, 2] tensor) of
+    ``text`` overlaps first; -1.  The words' terms are computed once per distinct word; the tokens are matched to
+    words all at once (the first word ending after a token starts, if it starts before the token ends)."""
     starts, ends, ids = [], [], []
+    memo: dict[str, int | None] = {}
     for m in _WORD.finditer(text):
-        t = term_id(m.group())
+        w = m.group()
+        t = memo[w] if w in memo else memo.setdefault(w, term_id(w))
         if t is not None:
             starts.append(m.start())
             ends.append(m.end())
             ids.append(t)
-    out = torch.full((len(offsets),), -1, dtype=torch.int32)
-    if not ids:
+    off = torch.as_tensor(offsets, dtype=torch.long).view(-1, 2)
+    out = torch.full((off.shape[0],), -1, dtype=torch.int32)
+    if not ids or not off.shape[0]:
         return out
-    for i, (a, b) in enumerate(offsets):
-        j = bisect.bisect_right(ends, a)  # the first word ending after the token starts
-        if j < len(ids) and starts[j] < b:
-            out[i] = ids[j]
-    return out
+    e = torch.tensor(ends, dtype=torch.long)
+    j = torch.searchsorted(e, off[:, 0].contiguous(), right=True)  # the first word ending after the token starts
+    jc = j.clamp_max(len(ids) - 1)
+    hit = (j < len(ids)) & (torch.tensor(starts, dtype=torch.long)[jc] < off[:, 1])
+    return torch.where(hit, torch.tensor(ids, dtype=torch.int32)[jc], out)
 
 
 class Lexicon:
@@ -109,7 +113,9 @@ class Lexicon:
         return out
 
 
-def document_terms(tokenizer, text: str) -> torch.Tensor:
-    """``sekv.lex.terms`` of a document prefix as ingest tokenizes it: [N] int32."""
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    return token_terms(text, [tuple(o) for o in enc["offset_mapping"]])
+def document_terms(tokenizer, text: str, offsets=None) -> torch.Tensor:
+    """``sekv.lex.terms`` of a document prefix as ingest tokenizes it: [N] int32.  ``offsets``: the tokens'
+    character ranges when the caller has them already (ingest's own tokenization of ``text``)."""
+    if offsets is None:
+        offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    return token_terms(text, offsets)

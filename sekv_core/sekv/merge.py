@@ -109,6 +109,10 @@ def merge(pieces: list[Piece], moments: list[torch.Tensor], params: SekvParams, 
     # ingest on one CPU thread, milliseconds there): comparisons and correctly rounded divisions, the same codes on
     # either; the row scales' log8 codes (log2) stay on the host
     sdt = pieces[0].tensors["full.k.0"].dtype
+    # the untrained router's directions: every layer's eigenproblems in one batch (one decomposition's launches and
+    # host syncs, not one per layer); each layer's scale below, from its span means
+    dev = device if device is not None else moments[0].device
+    dirs = router.pca_directions(torch.stack(moments).to(dev), n_tokens, params.d_r)
     span_len = seg.span_len
     lens = [p.seg.span_len for p in pieces]
     for li in range(L):
@@ -118,12 +122,10 @@ def merge(pieces: list[Piece], moments: list[torch.Tensor], params: SekvParams, 
         kbar = torch.cat([x.pop(f"coarse.k.{li}") for x in t], 1)
         out[f"sekv.coarse.k.{li}"] = kbar.to(sdt)
         out[f"sekv.coarse.v.{li}"] = torch.cat([x.pop(f"coarse.v.{li}") for x in t], 1)
-        moment = moments[li]
         ref = kbar if seg.n_spans else torch.cat([x.pop(f"keys.{li}") for x in t], 1)
         for x in t:
             x.pop(f"keys.{li}", None)
-        dev = device if device is not None else moment.device
-        wl = router.pca_from_moment(moment.to(dev), n_tokens, params.d_r, ref.to(dev)).cpu()
+        wl = router.pca_scaled(dirs[li], ref.to(dev)).cpu()
         out[f"sekv.router.w.{li}"] = wl.to(sdt)  # cast to the model's dtype at open
         out[f"sekv.router.norm.{li}"] = router.span_norms(wl, kbar.to(sdt))
         for kind, cfg in (("fk", kcfg), ("fv", vcfg)):
@@ -146,7 +148,8 @@ def encode_factors(f: fz.Factors, span_len: torch.Tensor, d: int, cfg: dict, dev
     codes (log2, whose last bit may differ between libraries) stay on the host, as the layout's cheap part."""
     if device is None or torch.device(device).type != "cuda" or f.us_scale is None:
         return codec.encode_factors(f, span_len, d, **cfg)
-    on = fz.Factors(f.us.to(device), f.vt.to(device), f.rank.to(device), f.us_scale, f.vt_scale)
+    # the ranks stay on the host, where codec.encode_factors reads every size and index from them (no host sync)
+    on = fz.Factors(f.us.to(device, non_blocking=True), f.vt.to(device, non_blocking=True), f.rank, f.us_scale, f.vt_scale)
     return {k: v.cpu() for k, v in codec.encode_factors(on, span_len, d, **cfg).items()}
 
 

@@ -69,8 +69,14 @@ def second_moment(keys: torch.Tensor) -> torch.Tensor:
 def pca_from_moment(moment: torch.Tensor, n: int, d_r: int, ref: torch.Tensor) -> torch.Tensor:
     """W [Hkv, d_r, d] from the keys' summed second moment [Hkv, d, d] over n keys; ref [Hkv, S, d]: the span
     means (or the keys) whose median projection sets the scale."""
-    hkv, d = moment.shape[0], moment.shape[-1]
-    m = moment / max(n, 1)
+    return pca_scaled(pca_directions(moment, n, d_r), ref)
+
+
+def pca_directions(moment: torch.Tensor, n: int, d_r: int) -> torch.Tensor:
+    """The top-d_r eigenvectors of the keys' summed second moments [..., d, d] over n keys, as orthonormal rows
+    [..., d_r, d] (zero rows past d): every leading index decomposed in one batch (merge passes all layers')."""
+    lead, d = moment.shape[:-2], moment.shape[-1]
+    m = moment.reshape(-1, d, d) / max(n, 1)
     r = min(d_r, d)
     if m.is_cuda and r < d:  # cuSOLVER loops a d x d eigh over the batch; the leading r by subspace iteration
         from .linalg import top_eigh
@@ -78,12 +84,18 @@ def pca_from_moment(moment: torch.Tensor, n: int, d_r: int, ref: torch.Tensor) -
         w = top_eigh(m, r, exact_orth=n < d)[1].transpose(1, 2).float()  # n >= d tokens: full rank, Cholesky QR
     else:
         evals, evecs = torch.linalg.eigh(m)
-        w = evecs.flip(-1)[..., :r].transpose(1, 2).float()  # [Hkv, r, d], orthonormal rows
+        w = evecs.flip(-1)[..., :r].transpose(1, 2).float()  # [B, r, d], orthonormal rows
     if r < d_r:
-        w = torch.cat([w, w.new_zeros(hkv, d_r - r, d)], 1)
-    proj = (ref.float() @ w.transpose(1, 2)).norm(dim=-1)  # [Hkv, S]
-    c = math.sqrt(d_r / d) * proj.median(dim=1).values.clamp_min(1e-6)
-    return w * c.view(-1, 1, 1)
+        w = torch.cat([w, w.new_zeros(w.shape[0], d_r - r, d)], 1)
+    return w.reshape(*lead, d_r, d)
+
+
+def pca_scaled(w: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Directions w [Hkv, d_r, d] scaled by c = sqrt(d_r / d) * the median over ref's rows [Hkv, S, d] of ||w k||."""
+    d_r, d = w.shape[-2], w.shape[-1]
+    proj = (ref.float() @ w.transpose(-1, -2)).norm(dim=-1)  # [Hkv, S]
+    c = math.sqrt(d_r / d) * proj.median(dim=-1).values.clamp_min(1e-6)
+    return w * c.view(*c.shape, 1, 1)
 
 
 def span_norms(w: torch.Tensor, kbar: torch.Tensor) -> torch.Tensor:
