@@ -148,6 +148,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the model, the prefill and the opened memories)")
     ap.add_argument("--recon", action="store_true", help="windowed packs: what they hold against the windows' prefill KV, "
                     "by the tokens' position in their window (recon())")
+    ap.add_argument("--check-prefill", action="store_true", help="windowed variants: each window's KV against one plain "
+                    "transformers forward (SDPA) of the same tokens, by position in the window (check_prefill())")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -200,6 +202,9 @@ def main() -> None:
                     pres.append(r)
                 packs[f"win/c{carry}"] = {k: v.cpu() for k, v in sekv.compress_windows(iter(pres), ingest_params).items()}
                 row.setdefault("windows", {})[carry] = [[w.start, w.end] for w in plan]
+                if a.check_prefill:
+                    row.setdefault("prefill_check", {})[carry] = check_prefill(lm, ids, header, plan, pres, max(64, a.window // 8))
+                    print(f"{a.length} d{depth:g} s{seed} windowed prefill vs plain transformers: {row['prefill_check'][carry]}", flush=True)
                 if a.recon:
                     row.setdefault("recon", {})[carry] = recon(sekv, packs[f"win/c{carry}"], pres, plan, ingest_params, shape, a.device, max(64, a.window // 8))
                     print(f"{a.length} d{depth:g} s{seed} pack vs prefill by local position: {row['recon'][carry]}", flush=True)
@@ -288,6 +293,50 @@ def recon(method, pack: dict, pres: list, plan: list, params, shape: ModelShape,
         full_k = max(full_k, float(((fk - kf).norm(dim=-1) / kf.norm(dim=-1).clamp_min(1e-6)).max()))
     return {"bucket": bucket, "k_err": [round(float(x), 4) for x in err["k"]], "v_err": [round(float(x), 4) for x in err["v"]],
             "k_rank": [round(float(x), 2) for x in rank], "tokens": torch.bincount(b, minlength=nb).tolist(), "full_k_err_max": round(full_k, 4)}
+
+
+def check_prefill(lm, ids: list[int], header: int, plan: list, pres: list, bucket: int = 4096) -> dict:
+    """Each window's KV as sekv's prefill made it (chunks over a growing cache; on CUDA the fused kernels' lower-right
+    causal mask) against one plain transformers forward of the window's tokens (SDPA, its own causal mask), moved to
+    the window's document positions as prefill_window moves them: the mean relative error |sekv - plain| / |plain|
+    (per token and KV head, averaged over heads and layers) of keys and values by position in the window
+    (``bucket`` positions a row)."""
+    from sekv_core.sekv import rope
+
+    model = lm.model
+    dev = next(model.parameters()).device
+    old = model.config._attn_implementation
+    inv = rope.inv_freq_of(pres[0].shape)
+    L = pres[0].shape.n_layers
+    sums = {"k": {}, "v": {}}
+    counts: dict[int, int] = {}
+    try:
+        model.set_attn_implementation("sdpa")
+        for w, p in zip(plan, pres):
+            local = torch.tensor(w.local_ids(ids, header), device=dev).view(1, -1)
+            drop = local.shape[1] - w.n
+            with torch.inference_mode():
+                cache = model.get_decoder()(input_ids=local, use_cache=True).past_key_values
+            b = (torch.arange(w.n) + drop) // bucket
+            for i in b.unique().tolist():
+                counts[i] = counts.get(i, 0) + int((b == i).sum())
+            for li in range(L):
+                layer = cache.layers[li] if hasattr(cache, "layers") else None
+                hk = (layer.keys if layer is not None else cache.key_cache[li])[0, :, drop:]
+                hv = (layer.values if layer is not None else cache.value_cache[li])[0, :, drop:]
+                hk = windows.shift(hk, w.offset, inv) if w.offset else hk
+                for kind, ref, got in (("k", hk, p.keys[li]), ("v", hv, p.values[li])):
+                    ref, got = ref.double().cpu(), got.double().cpu()
+                    e = ((got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)).mean(0)
+                    tot = torch.zeros(int(b.max()) + 1, dtype=torch.float64).index_add_(0, b, e)
+                    for i in b.unique().tolist():
+                        sums[kind][i] = sums[kind].get(i, 0.0) + float(tot[i]) / L
+            del cache
+    finally:
+        model.set_attn_implementation(old)
+    rows = sorted(counts)
+    return {"bucket": bucket, "k_err": [round(sums["k"][i] / counts[i], 4) for i in rows],
+            "v_err": [round(sums["v"][i] / counts[i], 4) for i in rows], "tokens": [counts[i] for i in rows]}
 
 
 def _cache_path(a, params, seed: int, depth: float) -> Path | None:
