@@ -19,7 +19,12 @@ right-aligned before it).  The variants, on the SAME needles:
 
 Per sekv cell: the rank (0 = first) of the best needle block under the scout's final ranking and under its parts
 (the question's summed z-scores alone, minus the profile, lexical), whether the needle's blocks are zoomed (in how
-many layers), the answer.  Rows go to ``--out`` (JSON) with the command.
+many layers), the answer.  Rows go to ``--out`` (JSON) with the command and the dtype the model ran in.
+
+Two checks of the windowed packs, by each token's position in its ingest window (the H200's misses are needles 16K-31K
+into a 32K window, docs/long-documents.md): ``--check-prefill`` (:func:`check_prefill`: each window's KV against one
+plain transformers forward of its tokens) and ``--recon`` (:func:`recon`: the pack's rebuilt span keys and values
+against the window's prefill KV).
 
     python -m benchmarks.studies.past_window --length 8192 --window 2048 --depths 0,25,50,75,100 \
         --out docs/bench/past-window-qwen2.5-0.5b.json
