@@ -390,3 +390,32 @@ def test_coarse_entries_stand_for_a_window_of_tokens(mass):
         hidden = int(r.span_len.sum()) - int(r.block_len[expanded[h]].sum())
         want = hidden * {"window": p0 / r.n_doc, "document": 1.0, "none": 0.0}[mass]
         assert float(scores[h].double().exp().sum()) == pytest.approx(want, rel=1e-4)
+
+
+@pytest.mark.parametrize("delta", [0, 8192, 30_000])
+def test_bfloat16_re_positioned_keys_are_rope_at_their_slot(delta):
+    """The accelerators' dtype: a key the model made in bfloat16 at a window's local position, moved to the document
+    position (windows.shift, prefill_window), stored, de-rotated there (Residents.reposition) and rotated to its slot
+    (Residents.base_keys), equals RoPE at the slot computed by hand in float64 from the same pre-RoPE key, within
+    bfloat16's rounding of the key (not of the angle: positions to 62K in bfloat16 are 256 apart)."""
+    from sekv_core import windows
+
+    d, theta, bf = 64, 1e6, torch.bfloat16  # qwen2.5's head size and RoPE base
+    inv = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
+    g = torch.Generator().manual_seed(0)
+    pre = torch.randn(2, 6, d, generator=g)
+    pre[..., [5, 37, 63]] *= 40.0  # a few large dimensions, as the model's key bias makes them
+    pre = pre.to(bf)
+    local = torch.tensor([3, 99, 1000, 16_000, 30_000, 32_000])
+    glob = local + delta
+    for slot0 in (0, 26_000, 32_700 - 6):
+        slot = torch.arange(slot0, slot0 + 6)
+        c, s = rope.cos_sin(local, inv)  # the model: cos / sin in float32, cast to its dtype, products in it
+        k_model = pre * c.to(bf) + rope.rotate_half(pre) * s.to(bf)
+        stored = windows.shift(k_model, delta, inv)
+        cg, sg = rope.cos_sin(glob, inv, dtype=bf)
+        base = rope.undo(stored.float(), cg, sg).to(bf)
+        got = rope.rotate(base, slot.view(1, -1).expand(2, -1), inv, 1.0, bf).to(bf).double()
+        want = torch.stack([torch.stack([_hand_rope(pre[h, t].double(), int(slot[t]), theta) for t in range(6)]) for h in range(2)])
+        err = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max()
+        assert err < 4 * 2.0**-8, (delta, slot0, float(err))  # measured <= 0.008; an angle in bfloat16 gives ~1

@@ -19,7 +19,12 @@ right-aligned before it).  The variants, on the SAME needles:
 
 Per sekv cell: the rank (0 = first) of the best needle block under the scout's final ranking and under its parts
 (the question's summed z-scores alone, minus the profile, lexical), whether the needle's blocks are zoomed (in how
-many layers), the answer.  Rows go to ``--out`` (JSON) with the command.
+many layers), the answer.  Rows go to ``--out`` (JSON) with the command and the dtype the model ran in.
+
+Two checks of the windowed packs, by each token's position in its ingest window (the H200's misses are needles 16K-31K
+into a 32K window, docs/long-documents.md): ``--check-prefill`` (:func:`check_prefill`: each window's KV against one
+plain transformers forward of its tokens) and ``--recon`` (:func:`recon`: the pack's rebuilt span keys and values
+against the window's prefill KV).
 
     python -m benchmarks.studies.past_window --length 8192 --window 2048 --depths 0,25,50,75,100 \
         --out docs/bench/past-window-qwen2.5-0.5b.json
@@ -141,10 +146,15 @@ def main() -> None:
     ap.add_argument("--variants", default="one,one@rp,win,win@rp,rag,full")
     ap.add_argument("--haystack", default="/work/shared/data/haystack/pg_essays")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dtype", default=None, help="model dtype (bfloat16: the H200's)")
+    ap.add_argument("--dtype", default=None, help="model dtype (default: models.default_dtype, bfloat16 on CUDA and on a "
+                    "CPU with bfloat16 instructions, as this machine's; float32 must be asked for)")
     ap.add_argument("--batched", action="store_true", help="sekv asks through the batched step and its static single-token path")
     ap.add_argument("--param", action="append", default=[], help="sekv parameter KEY=VALUE")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the model, the prefill and the opened memories)")
+    ap.add_argument("--recon", action="store_true", help="windowed packs: what they hold against the windows' prefill KV, "
+                    "by the tokens' position in their window (recon())")
+    ap.add_argument("--check-prefill", action="store_true", help="windowed variants: each window's KV against one plain "
+                    "transformers forward (SDPA) of the same tokens, by position in the window (check_prefill())")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -197,6 +207,12 @@ def main() -> None:
                     pres.append(r)
                 packs[f"win/c{carry}"] = {k: v.cpu() for k, v in sekv.compress_windows(iter(pres), ingest_params).items()}
                 row.setdefault("windows", {})[carry] = [[w.start, w.end] for w in plan]
+                if a.check_prefill:
+                    row.setdefault("prefill_check", {})[carry] = check_prefill(lm, ids, header, plan, pres, max(64, a.window // 8))
+                    print(f"{a.length} d{depth:g} s{seed} windowed prefill vs plain transformers: {row['prefill_check'][carry]}", flush=True)
+                if a.recon:
+                    row.setdefault("recon", {})[carry] = recon(sekv, packs[f"win/c{carry}"], pres, plan, ingest_params, shape, a.device, max(64, a.window // 8))
+                    print(f"{a.length} d{depth:g} s{seed} pack vs prefill by local position: {row['recon'][carry]}", flush=True)
                 del pres
             _save(cached, packs)
             for v in variants:
@@ -235,15 +251,103 @@ def main() -> None:
             rows.append(row)
             if out:
                 out.write_text(json.dumps({"command": "python -m benchmarks.studies.past_window " + " ".join(sys.argv[1:]),
-                                           "model": a.model, "budget": a.budget, "params": a.param, "rows": rows}, indent=1))
+                                           "model": a.model, "dtype": str(shape.dtype).removeprefix("torch."), "device": a.device,
+                                           "budget": a.budget, "params": a.param, "rows": rows}, indent=1))
     for v in variants:
         print(f"{v:12s} found {sum(r['cells'][v]['correct'] for r in rows)}/{len(rows)}")
+
+
+def recon(method, pack: dict, pres: list, plan: list, params, shape: ModelShape, device, bucket: int = 4096) -> dict:
+    """What a windowed pack holds against the KV its windows' prefills made, by each token's position in its window
+    (``bucket`` positions a row): the mean relative error |rebuilt - prefill| / |prefill| (per token and KV head, then
+    averaged over heads and layers) of the span tokens' keys (pre-RoPE: the prefill's keys de-rotated at their document
+    position in float64) and values rebuilt from the decoded factors, their mean rank, and the worst relative error of
+    the full-resolution tokens' keys (as stored, post-RoPE).  Any window whose late tokens the pack holds worse than its
+    early ones shows as a row that grows."""
+    from sekv_core.sekv import factorize as fz
+
+    res = method.open(DictStore(dict(pack)), params, shape, device).res
+    d, hkv, L = shape.head_dim, shape.n_kv_heads, shape.n_layers
+    start, length = res.span_start.long(), res.span_len.long()
+    tok = torch.repeat_interleave(start, length) + (torch.arange(int(length.sum())) - torch.repeat_interleave(torch.cumsum(length, 0) - length, length))
+    w_start = torch.tensor([w.start for w in plan])
+    w_off = torch.tensor([w.offset for w in plan])
+    local = tok - w_off[torch.searchsorted(w_start, tok, right=True) - 1]
+    b = local // bucket
+    nb = int(b.max()) + 1 if b.numel() else 0
+    span_b = (res.span_start.long() - w_off[torch.searchsorted(w_start, res.span_start.long(), right=True) - 1]) // bucket
+    ang = tok.double().view(-1, 1) * res.inv_freq.double().cpu().view(1, -1)
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    err = {"k": torch.zeros(nb, dtype=torch.float64), "v": torch.zeros(nb, dtype=torch.float64)}
+    count = torch.bincount(b, minlength=nb).double().clamp_min(1)
+    rank = torch.zeros(nb, dtype=torch.float64)
+    full_k = 0.0
+    for li in range(L):
+        f, _ = res.factors[li]
+        rebuilt = fz.reconstruct_all(f, length, d).double()  # [2 Hkv, T, d]: K heads, then V heads
+        k = torch.cat([p.keys[li].cpu() for p in pres], 1).double()[:, tok]  # the windows' own parts, in document order
+        v = torch.cat([p.values[li].cpu() for p in pres], 1).double()[:, tok]
+        k_pre = k * cos + torch.cat([k[..., d // 2 :], -k[..., : d // 2]], -1) * sin  # RoPE undone at the document position
+        for kind, ref, got in (("k", k_pre, rebuilt[:hkv]), ("v", v, rebuilt[hkv:])):
+            e = ((got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)).mean(0)  # [T]
+            err[kind] += torch.zeros(nb, dtype=torch.float64).index_add_(0, b, e) / count / L
+        r = f.rank.double()[:hkv].mean(0)  # key ranks per span
+        rank += torch.zeros(nb, dtype=torch.float64).index_add_(0, span_b, r) / torch.bincount(span_b, minlength=nb).double().clamp_min(1) / L
+        fk = pack[f"sekv.full.k.{li}"].double()
+        kf = torch.cat([p.keys[li].cpu() for p in pres], 1).double()[:, res.full_pos]
+        full_k = max(full_k, float(((fk - kf).norm(dim=-1) / kf.norm(dim=-1).clamp_min(1e-6)).max()))
+    return {"bucket": bucket, "k_err": [round(float(x), 4) for x in err["k"]], "v_err": [round(float(x), 4) for x in err["v"]],
+            "k_rank": [round(float(x), 2) for x in rank], "tokens": torch.bincount(b, minlength=nb).tolist(), "full_k_err_max": round(full_k, 4)}
+
+
+def check_prefill(lm, ids: list[int], header: int, plan: list, pres: list, bucket: int = 4096) -> dict:
+    """Each window's KV as sekv's prefill made it (chunks over a growing cache; on CUDA the fused kernels' lower-right
+    causal mask) against one plain transformers forward of the window's tokens (SDPA, its own causal mask), moved to
+    the window's document positions as prefill_window moves them: the mean relative error |sekv - plain| / |plain|
+    (per token and KV head, averaged over heads and layers) of keys and values by position in the window
+    (``bucket`` positions a row)."""
+    from sekv_core.sekv import rope
+
+    model = lm.model
+    dev = next(model.parameters()).device
+    old = model.config._attn_implementation
+    inv = rope.inv_freq_of(pres[0].shape)
+    L = pres[0].shape.n_layers
+    sums = {"k": {}, "v": {}}
+    counts: dict[int, int] = {}
+    try:
+        model.set_attn_implementation("sdpa")
+        for w, p in zip(plan, pres):
+            local = torch.tensor(w.local_ids(ids, header), device=dev).view(1, -1)
+            drop = local.shape[1] - w.n
+            with torch.inference_mode():
+                cache = model.get_decoder()(input_ids=local, use_cache=True).past_key_values
+            b = (torch.arange(w.n) + drop) // bucket
+            for i in b.unique().tolist():
+                counts[i] = counts.get(i, 0) + int((b == i).sum())
+            for li in range(L):
+                layer = cache.layers[li] if hasattr(cache, "layers") else None
+                hk = (layer.keys if layer is not None else cache.key_cache[li])[0, :, drop:]
+                hv = (layer.values if layer is not None else cache.value_cache[li])[0, :, drop:]
+                hk = windows.shift(hk, w.offset, inv) if w.offset else hk
+                for kind, ref, got in (("k", hk, p.keys[li]), ("v", hv, p.values[li])):
+                    ref, got = ref.double().cpu(), got.double().cpu()
+                    e = ((got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)).mean(0)
+                    tot = torch.zeros(int(b.max()) + 1, dtype=torch.float64).index_add_(0, b, e)
+                    for i in b.unique().tolist():
+                        sums[kind][i] = sums[kind].get(i, 0.0) + float(tot[i]) / L
+            del cache
+    finally:
+        model.set_attn_implementation(old)
+    rows = sorted(counts)
+    return {"bucket": bucket, "k_err": [round(sums["k"][i] / counts[i], 4) for i in rows],
+            "v_err": [round(sums["v"][i] / counts[i], 4) for i in rows], "tokens": [counts[i] for i in rows]}
 
 
 def _cache_path(a, params, seed: int, depth: float) -> Path | None:
     if not a.cache:
         return None
-    tag = f"{a.model}-{a.dtype or 'f32'}-{a.length}-w{a.window}-b{params.budget:g}-d{depth:g}-s{seed}"
+    tag = f"{a.model}-{a.dtype or 'default'}-{a.length}-w{a.window}-b{params.budget:g}-d{depth:g}-s{seed}"
     return Path(a.cache) / f"{tag}.safetensors"
 
 
