@@ -41,14 +41,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from sekv_core import methods, models, placement
     from sekv_core.documents import load_document
-    from sekv_core.ingest import _encode_text, model_shape
+    from sekv_core.ingest import _encode, model_shape
     from sekv_core.methods import scores
     from sekv_core.prefill import prefill
 
     lm = models.load(a.model, device=a.device)
     dev = placement.input_device(lm.model)
     doc = load_document(Path(a.doc))
-    ids, _runs, _h, _parts, text, offsets = _encode_text(lm, doc, None)
+    ids, _runs, _h, _parts, text, offsets = _encode(lm, doc, None)
     if a.tokens:
         ids = ids[: a.tokens]
     sekv = methods.get("sekv")

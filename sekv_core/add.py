@@ -95,7 +95,7 @@ def add(
             if any(p["sha256"] == q.sha256 and Path(p["name"]).name == Path(q.name).name for p in before):
                 raise SekvError(f"{q.name}: already in {path} (the same file); nothing was added")
         with stage("tokenize"):
-            new_ids, runs, _, parts = _encode(lm, doc, appended=True)
+            new_ids, runs, _, parts = _encode(lm, doc, appended=True)[:4]
         n_old = pack.n_tokens()
         ids = list(pack.token_ids) + new_ids
         n = len(ids)

@@ -56,15 +56,11 @@ def _tokenize(lm: models.LoadedModel, doc: Document, system: str | None = None) 
     return _encode(lm, doc, system)[:3]
 
 
-def _encode(lm: models.LoadedModel, doc: Document, system: str | None = None, appended: bool = False) -> tuple[list[int], list[list[int]], int, list[dict]]:
-    """_tokenize(), and a corpus's documents as the manifest records them (document.parts), their token ranges.
-    ``appended``: the tokens of documents added to a pack (prompt.document_continuation; `sekv add`)."""
-    return _encode_text(lm, doc, system, appended)[:4]
-
-
-def _encode_text(lm: models.LoadedModel, doc: Document, system: str | None = None, appended: bool = False):
-    """_encode(), and the tokenized text with every token's character range in it (what the text scores read, so
-    they need not tokenize the document again)."""
+def _encode(lm: models.LoadedModel, doc: Document, system: str | None = None, appended: bool = False):
+    """_tokenize(), a corpus's documents as the manifest records them (document.parts), their token ranges, and the
+    tokenized text with every token's character range in it (what the text scores read, so they need not tokenize
+    the document again).  ``appended``: the tokens of documents added to a pack (prompt.document_continuation;
+    `sekv add`)."""
     if appended:
         text, doc_start = prompt.document_continuation(doc.text), len(prompt.CONTINUATION_OPEN)
     else:
@@ -184,7 +180,7 @@ def ingest(
         raise DocumentError("several documents, a folder or standard input make a pack only with -o PACK (out=)")
     out_path = Path(out) if out else default_pack_path(doc.path)
     with stage("tokenize"):
-        ids, page_runs, header_len, parts, text, offsets = _encode_text(lm, doc, system)
+        ids, page_runs, header_len, parts, text, offsets = _encode(lm, doc, system)
     rope_scale.prepare(lm, cache_method, len(ids), rope_scaling, reserve=RESERVE_TOKENS, what=str(doc.path or doc.name))
     plan = plan_windows(lm, doc, len(ids), cache_method, header_len)
     shape = model_shape(lm)

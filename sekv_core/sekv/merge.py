@@ -105,9 +105,6 @@ def merge(pieces: list[Piece], moments: list[torch.Tensor], params: SekvParams, 
 
         out["sekv.router.ttau"] = trained.tau.float()
         out["sekv.router.sha256"] = layout.sha256_tensor(router_file.file_sha256(trained.path))
-    # the 4-bit coding of the factors runs where the prefill ran when that is an accelerator (~2.8 s of a 16K document's
-    # ingest on one CPU thread, milliseconds there): comparisons and correctly rounded divisions, the same codes on
-    # either; the row scales' log8 codes (log2) stay on the host
     sdt = pieces[0].tensors["full.k.0"].dtype
     # the untrained router's directions: every layer's eigenproblems in one batch (one decomposition's launches and
     # host syncs, not one per layer); each layer's scale below, from its span means
