@@ -123,7 +123,8 @@ def measure(layers, span_len, params, paths: dict) -> dict:
 
 
 class _switch:
-    """A path of :func:`measure`: sets linalg's attributes (``SUBSPACE_ON_CPU``, ``SUBSPACE_ITERS``) for its duration;
+    """A path of :func:`measure`: sets linalg's attributes (``SUBSPACE_ON_CPU``, ``SUBSPACE_ITERS``, ``CHOLQR_SHIFT_F32``)
+    for its duration;
     ``float32_iters``: top_eigh iterates in float32 that many times (the CUDA path before its iteration was float64)."""
 
     def __init__(self, float32_iters: int | None = None, **kv):
@@ -176,6 +177,7 @@ def main() -> None:
     paths = {"reference": None, "exact (CPU)": _switch(SUBSPACE_ON_CPU=False),
              "subspace f32, 3 iters (CUDA before)": _switch(3, SUBSPACE_ON_CPU=True),
              "subspace f32, 32 iters": _switch(32, SUBSPACE_ON_CPU=True),
+             "subspace f32, 3 iters, no shift": _switch(3, SUBSPACE_ON_CPU=True, CHOLQR_SHIFT_F32=1e-12),
              "subspace f64, 3 iters": _switch(SUBSPACE_ON_CPU=True, SUBSPACE_ITERS=3),
              f"subspace f64, {la.SUBSPACE_ITERS} iters (CUDA)": _switch(SUBSPACE_ON_CPU=True)}
     res = measure(layers, span_len, params, paths)
