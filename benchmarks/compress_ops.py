@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
         sc.GROUP_ON_CPU = True  # several layers in one decomposition, as on CUDA
 
-        la._subspace_path = lambda x, method, want: method == "gram" and want is not None and want < min(x.shape[1], x.shape[2]) and x.shape[2] > la.BATCHED_EIG_MAX and want <= la.BATCHED_EIG_MAX
+        la.SUBSPACE_ON_CPU = True  # the subspace iteration CUDA takes
     from sekv_core.sekv import compress as sc
     from sekv_core.sekv import merge as sm
 

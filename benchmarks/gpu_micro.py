@@ -33,7 +33,9 @@ def timed(fn, reps=3):
 
 def eig_variants(out: dict, dev) -> None:
     """The compress path's eigensolver at the 128K / Llama-3-8B scale of one layer's K (11,904 span matrices of
-    160 x 128, float32): Rayleigh-Ritz after orthonormalising by eigensolvers (exact_orth) or by Cholesky QR."""
+    160 x 128, float32): Rayleigh-Ritz after orthonormalising by eigensolvers (exact_orth) or by Cholesky QR, in float32
+    with 3 iterations (as compress did), then as compress does now (float64, linalg.SUBSPACE_ITERS), and the whole
+    decomposition (Gram, iteration, U*sigma)."""
     g0 = torch.Generator(device=dev).manual_seed(0)
     a = torch.randn(11904, 160, 128, device=dev, generator=g0)
     a = a * torch.logspace(0, -1.5, 128, device=dev)
@@ -45,6 +47,10 @@ def eig_variants(out: dict, dev) -> None:
         energy = ((a @ v).norm(dim=(1, 2)) ** 2).double()
         ref = energy if ref is None else ref
         out[f"top_eigh32_energy_vs_exact_orth_{exact}"] = float((energy / ref).min())
+    # what compress runs now (sekv/linalg.py _decompose): the iteration in float64, SUBSPACE_ITERS products
+    gd = g.double()
+    out[f"top_eigh32_f64_b11904_iters{linalg.SUBSPACE_ITERS}_s"] = timed(lambda: linalg.top_eigh(gd, 32, iters=linalg.SUBSPACE_ITERS, exact_orth=False))
+    out["decompose_b11904_s"] = timed(lambda: linalg._decompose(a, "gram", want=32, rows_at_least_want=True))
 
 
 def main():

@@ -284,7 +284,7 @@ def test_hard_blocks_factorise_near_optimally(method):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("exact_orth", [True, False])
 def test_hard_blocks_subspace_path(monkeypatch, device, exact_orth):
-    """The CUDA path (float32 subspace iteration, forced here on the CPU too) on the same hard blocks: the leading 32
+    """The CUDA path (subspace iteration of float32 Grams in float64, forced here on the CPU too) on the same hard blocks: the leading 32
     components as good as the SVD's, with both orthonormalisations (Cholesky QR also on rank-deficient blocks,
     which real spans of >= 32 rows can be)."""
     monkeypatch.setattr(la, "_subspace_path", lambda a, method, want: True)
@@ -297,13 +297,27 @@ def test_hard_blocks_subspace_path(monkeypatch, device, exact_orth):
             _assert_near_optimal(f"{n}/{name}", x, us[j], sigma[j], vt[j], ranks=(1, 4, 8, 16, 32), sigma_rel=SIGMA_F32_GRAM)
 
 
-def _fail_eigh_on_float32(real):
-    def eigh(c, *args, **kwargs):
-        if c.dtype == torch.float32:
-            raise torch.linalg.LinAlgError("linalg.eigh: (Batch element 0): The algorithm failed to converge (injected)")
-        return real(c, *args, **kwargs)
+def _fail_eigh_but_on_the_host(monkeypatch) -> list[int]:
+    """torch.linalg.eigh raises except inside linalg's host fallback (_host_eigh); returns the failure count."""
+    real_eigh, real_host = torch.linalg.eigh, la._host_eigh
+    inside, failed = [False], [0]
 
-    return eigh
+    def eigh(c, *args, **kwargs):
+        if not inside[0]:
+            failed[0] += 1
+            raise torch.linalg.LinAlgError("linalg.eigh: (Batch element 0): The algorithm failed to converge (injected)")
+        return real_eigh(c, *args, **kwargs)
+
+    def host(c):
+        inside[0] = True
+        try:
+            return real_host(c)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(torch.linalg, "eigh", eigh)
+    monkeypatch.setattr(la, "_host_eigh", host)
+    return failed
 
 
 def _fail_cholesky(real):
@@ -320,8 +334,9 @@ def _fail_cholesky(real):
 def test_solver_failures_fall_back(monkeypatch, device, fault):
     """An eigensolver that raises (cuSOLVER's Jacobi on a hard batch) or a Cholesky that reports failure for some
     matrices: the factors are still right (host LAPACK / Householder QR take over), no exception."""
+    failed = [1]
     if fault == "eigh":
-        monkeypatch.setattr(torch.linalg, "eigh", _fail_eigh_on_float32(torch.linalg.eigh))
+        failed = _fail_eigh_but_on_the_host(monkeypatch)
     else:
         monkeypatch.setattr(torch.linalg, "cholesky_ex", _fail_cholesky(torch.linalg.cholesky_ex))
     monkeypatch.setattr(la, "_subspace_path", lambda a, method, want: True)
@@ -331,6 +346,7 @@ def test_solver_failures_fall_back(monkeypatch, device, fault):
         us, sigma, vt = la._decompose(a, "gram", want=32, rows_at_least_want=not exact_orth)
         for j, (name, x) in enumerate(blocks.items()):
             _assert_near_optimal(f"{fault}/{name}", x, us[j], sigma[j], vt[j], ranks=(1, 8, 32), sigma_rel=SIGMA_F32_GRAM)
+    assert failed[0] > 0  # the fault was met
 
 
 def test_host_eigh_last_resort_is_an_orthonormal_basis(monkeypatch):

@@ -34,8 +34,8 @@ GROUP_ON_CPU = False
 MARGIN_BYTES = 1 << 30
 #: the most bytes compress holds at once per byte of a chunk's float32 factor inputs (its keys and values in span
 #: order): the inputs, RoPE undone, their copy in one batch, the padded blocks, Grams (d x d a block: on CUDA about
-#: three alive in the subspace iteration), U*sigma, packing.  tests/test_compress_memory.py measures the CPU path
-#: under it (below 3 fails there); the CUDA path's count from the code is ~8
+#: three alive in the subspace iteration, float64), U*sigma, packing.  tests/test_compress_memory.py measures the CPU
+#: path under it (below 3 fails there); the CUDA path's count from the code is ~10
 FACTOR_WORK = 16
 #: per document token, what compress keeps on the device for the whole window (span order, span ids, weights, the
 #: scout profile's span of each token: int64s and floats)

@@ -17,6 +17,15 @@ import torch
 #: largest eigenproblem cuSOLVER solves as one batched call (Jacobi); larger ones loop over the batch
 BATCHED_EIG_MAX = 32
 
+#: take CUDA's subspace path on the CPU too (studies and tests of what CUDA computes: benchmarks/studies/subspace_keys.py)
+SUBSPACE_ON_CPU = False
+#: subspace iterations of that path: real span keys and values of qwen2.5-0.5b get the exact path's energy-rule ranks
+#: and errors within 0.2 % (keys) and 0.5 % (values) at 6, 1.5 % (values) at 3 (benchmarks/studies/subspace_keys.py)
+SUBSPACE_ITERS = 6
+#: Cholesky QR's diagonal shift in float32, relative to the block Gram's trace (float64: 1e-12).  It outweighs
+#: directions below ~1e-3 of the largest (their Gram entries are squares): a float32 subspace iteration loses them
+CHOLQR_SHIFT_F32 = 1e-6
+
 
 def _unit_scale(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """a [B, m, n] -> (a / s, s [B, 1, 1]): every matrix scaled to max-abs 1 (all-zero ones by 1).
@@ -107,7 +116,7 @@ def _cholqr(x: torch.Tensor) -> torch.Tensor:
     """
     k = x.shape[-1]
     c = x.transpose(1, 2) @ x
-    shift = 1e-12 if x.dtype == torch.float64 else 1e-6
+    shift = 1e-12 if x.dtype == torch.float64 else CHOLQR_SHIFT_F32
     eye = torch.eye(k, dtype=x.dtype, device=x.device)
     c = c + eye * (c.diagonal(dim1=1, dim2=2).sum(-1, keepdim=True).unsqueeze(-1) * shift + torch.finfo(x.dtype).tiny)
     ch, info = torch.linalg.cholesky_ex(c)
@@ -164,7 +173,7 @@ def _subspace_path(a: torch.Tensor, method: str, want: int | None) -> bool:
     """Whether :func:`_decompose` takes the leading components by subspace iteration (:func:`top_eigh`): on CUDA,
     when fewer than min(n, d) are wanted and d exceeds what cuSOLVER's batched eigensolver takes."""
     n, d = a.shape[1], a.shape[2]
-    return method == "gram" and a.is_cuda and want is not None and want < min(n, d) and d > BATCHED_EIG_MAX and want <= BATCHED_EIG_MAX
+    return method == "gram" and (a.is_cuda or SUBSPACE_ON_CPU) and want is not None and want < min(n, d) and d > BATCHED_EIG_MAX and want <= BATCHED_EIG_MAX
 
 
 def _decompose(a: torch.Tensor, method: str, want: int | None = None, rows_at_least_want: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -180,10 +189,12 @@ def _decompose(a: torch.Tensor, method: str, want: int | None = None, rows_at_le
         raise ValueError(f"unknown factorisation method {method!r}")
     an, s = _unit_scale(a)
     if _subspace_path(a, method, want):
-        # float32 and 3 iterations: 99.5% of the optimal rank-32 energy on average on key-like spectra with an
-        # outlier dimension, as float64 gives (docs/gpu.md); the exact float64 path stays for full rank and the CPU
+        # the Gram's product in float32, the iteration in float64: real pre-RoPE keys have lambda_1 / lambda_32 ~ 3,400,
+        # so the iterated block's Gram spans ~1e7, and float32's Cholesky QR shift (CHOLQR_SHIFT_F32) damped the
+        # trailing components: the energy rule stopped at rank 13.7 for 16.9 (docs/long-documents.md)
         af = an.float()
-        evals, v = top_eigh(af.transpose(1, 2) @ af, want, iters=3, exact_orth=not rows_at_least_want)
+        evals, v = top_eigh((af.transpose(1, 2) @ af).double(), want, iters=SUBSPACE_ITERS, exact_orth=not rows_at_least_want)
+        v = v.float()
         us, sigma, vt = (af @ v).to(a.dtype), evals.sqrt().to(a.dtype), v.transpose(1, 2).to(a.dtype)
     elif method == "svd":
         try:
