@@ -1,0 +1,199 @@
+"""sekv on a model placed across devices keeps each layer's resident KV, coarse entries, router gates and zoom
+buffers on that layer's device (sekv/residents.py ``Residents.at``) and answers as the same model on one device.
+
+References: the un-split model on one device (the same tokens); the layer's execution device as accelerate reports
+it (sekv_core/placement.py) for where each tensor must be.  On a CPU-only machine every execution device is the CPU,
+so the placement is checked with a layer on PyTorch's "meta" device (no data, shapes only: a tensor that is not
+moved there shows as "cpu"); the CUDA test (``-k cuda``) splits a tiny model between cuda:0 and the CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sekv
+from sekv_core import methods, models, placement
+from sekv_core.methods.base import ModelShape
+from sekv_core.pack import read_pack
+from sekv_core.session import stored_params
+from sekv_core.sekv import gpu_step, residents
+from sekv_core.sekv.gpu_step import BatchedStep, device_groups
+
+from conftest import SAMPLE_MD
+
+Q = "What did the keeper write about the storm?"
+SPLIT = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu",
+         "model.rotary_emb": "cpu", "lm_head": "cpu"}
+CPU, META = torch.device("cpu"), torch.device("meta")
+
+
+@pytest.fixture(scope="module")
+def pack_path(lm, tmp_path_factory):
+    return sekv.ingest(SAMPLE_MD, tmp_path_factory.mktemp("layer_devices") / "doc.sekv", method="sekv", model=lm).pack_path
+
+
+def _ask(pack_path, lm, batched: bool | None = None, method: str | None = None):
+    p = sekv.open(pack_path, model=lm, method=method)
+    if batched is not None:
+        p.session.memory.batched = batched
+    return p.ask(Q, max_new_tokens=8).tokens.ids, p.session.memory
+
+
+def test_sekv_opens_per_layer_devices():
+    assert methods.get("sekv").per_layer_devices
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_split_model_answers_as_one_device_with_each_layer_on_its_device(lm, tiny_qwen, pack_path, batched):
+    """Both steps (the reference and the batched one): the model split through device_map (layer 1 streamed from
+    disk) gives the un-split model's tokens, and the memory holds one device per layer, its execution device."""
+    split = models.load(str(tiny_qwen), dtype=torch.float32, device_map=SPLIT)
+    ref, _ = _ask(pack_path, lm, batched)
+    got, mem = _ask(pack_path, split, batched)
+    assert len(ref) > 0 and got == ref
+    devices = placement.layer_devices(split.model)
+    assert mem.layer_devices == devices and mem.res.kv.devices == devices
+
+
+def _open(pack_path, lm, devices, **overrides):
+    pack = read_pack(pack_path)
+    params = methods.get("sekv").resolve_params({**stored_params(pack).to_dict(), **overrides})
+    return methods.get("sekv").open(pack, params, ModelShape.of(lm.config, torch.float32), devices)
+
+
+def _tensor_devices(x) -> set:
+    return {t.device for t in (x if isinstance(x, (list, tuple)) else [x]) if torch.is_tensor(t)}
+
+
+@pytest.mark.parametrize("routing", ["scout", "per_layer"])
+def test_each_layers_tensors_are_on_its_device(lm, pack_path, routing):
+    """Layer 1 on "meta": its buffers (resident KV, coarse entries, zoom annex / slots), gates, fixed-set tables and
+    block table are there, layer 0's on the CPU; the pack's view on "meta" has every step table there and shares the
+    buffers; the ranking's copy there follows a new ranking."""
+    mem = _open(pack_path, lm, [CPU, META], routing=routing)
+    res = mem.res
+    assert res.split and res.device == CPU and mem.layer_devices == [CPU, META]
+    for layer, dev in enumerate([CPU, META]):
+        assert res.kv.k[layer].device == dev and res.kv.v[layer].device == dev
+        assert _tensor_devices(res.gates[layer]) == {dev}
+    view = res.at(META)
+    assert res.at_layer(0) is res and res.at_layer(1) is view and res.at("meta") is view
+    assert view.kv is res.kv and view.factors is res.factors
+    for name in residents.DEVICE_TABLES:
+        if hasattr(res, name):
+            assert getattr(view, name).device == META, name
+            assert getattr(res, name).device == CPU, name
+    mem.batched = True
+    step = mem._step()
+    assert isinstance(step, BatchedStep)
+    step.begin_forward(1)  # sizes the zoom buffers: the fixed sets' annex (scout) or the flat slots (per layer)
+    assert step.U > 0
+    for layer, dev in enumerate([CPU, META]):
+        assert step.blocks[layer].used.device == dev
+        assert res.kv.jk[layer].device == dev  # the annex is in the same allocation
+        if step.fixed is not None:
+            assert _tensor_devices(step.fixed.keep[layer]) == _tensor_devices(step.fixed.n[layer]) == {dev}
+        else:
+            assert step.rk[layer].device == step.rv[layer].device == dev
+    assert (step.fixed is not None) == (routing == "scout")
+    if mem.ranking is not None:
+        first = mem.ranking.on(META)
+        assert first.device == META and mem.ranking.on(META) is first and mem.ranking.on(CPU) is mem.ranking.prio
+        mem.ranking.begin_pass()
+        mem.ranking.finish_pass(torch.zeros_like(mem.ranking.prio), 0.0, None, 0.0)
+        assert mem.ranking.on(META) is not first
+
+
+def test_one_device_is_not_split(lm, pack_path):
+    """Every layer on one device: no views, the gates are the stacked router's own rows (no copies)."""
+    mem = _open(pack_path, lm, CPU)
+    res = mem.res
+    assert not res.split and res.at_layer(1) is res and res.at(CPU) is res and res._views == {}
+    assert all(g[0].data_ptr() == res.w[i].data_ptr() for i, g in enumerate(res.gates))
+    assert mem.layer_devices is None and not mem.static_supported()
+
+
+def test_layout_follows_the_pack_on_every_device(lm, pack_path):
+    """Re-positioned attention: a view's layout is on its device, at the question's position the pack's is."""
+    mem = _open(pack_path, lm, [CPU, META])
+    mem.question_at(200, 256)
+    view = mem.res.at(META)
+    assert view.layout is not None and view.layout.order.device == META and mem.res.layout.order.device == CPU
+    assert (view.layout.p0, view.layout.room) == (mem.res.layout.p0, mem.res.layout.room)
+    mem.question_at(150, 256)
+    assert view.layout.p0 == mem.res.layout.p0 == 150
+
+
+def test_scout_masses_are_scored_a_device_at_a_time(lm, pack_path, monkeypatch):
+    """The batched scout scores each device's layers together, there, and gathers the masses in layer order."""
+    devices = [CPU, META]
+    mem = _open(pack_path, lm, devices)
+    mem.batched = True
+    step = mem._step()
+    calls = []
+
+    def fake(self, r, ids, qs, exact, scaling):
+        calls.append((r.device, list(ids), {q.device for q in qs}))
+        return torch.tensor([[float(i)] * r.n_blocks for i in ids])
+
+    monkeypatch.setattr(BatchedStep, "_scout_masses", fake)
+    qs = [torch.zeros(2, 3, 4, device=d) for d in devices]
+    out = step.scout_masses(qs, qs, 1.0)
+    assert calls == [(CPU, [0], {CPU}), (META, [1], {META})]
+    assert out.device == CPU and out[:, 0].tolist() == [0.0, 1.0]
+
+
+def test_device_groups():
+    cuda1 = torch.device("cuda", 1)
+    assert device_groups([CPU, META, CPU, cuda1]) == [(CPU, [0, 2]), (META, [1]), (cuda1, [3])]
+    assert device_groups(["cpu"] * 3) == [(CPU, [0, 1, 2])]
+
+
+# -- CUDA: a tiny model's layers split between cuda:0 and the CPU ------------------------------------------------
+
+CUDA_SPLIT = {"model.embed_tokens": 0, "model.rotary_emb": "cpu", "model.layers.0": 0, "model.layers.1": "cpu",
+              "model.norm": "cpu", "lm_head": "cpu"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", ["full", "sekv"])
+def test_cuda_split_between_gpu_and_cpu_answers_as_one_gpu(tiny_qwen, tmp_path, method):
+    """Layer 0 computes on cuda:0, layer 1 on the CPU (accelerate's dispatch with the CPU as the main device: a
+    CPU-mapped layer runs there instead of being streamed to the GPU): greedy tokens as the un-split model on cuda:0,
+    and each layer's KV (sekv: resident KV, coarse entries, gates, zoom buffers, block table) on its layer's device."""
+    from accelerate import dispatch_model
+
+    one = models.load(str(tiny_qwen), device="cuda", dtype=torch.float32)
+    pack_path = sekv.ingest(SAMPLE_MD, tmp_path / "doc.sekv", method=method, model=one).pack_path
+    ref, _ = _ask(pack_path, one)
+    split = models.load(str(tiny_qwen), device="cpu", dtype=torch.float32)
+    dispatch_model(split.model, device_map=CUDA_SPLIT, main_device="cpu")
+    split.model.__dict__.pop("_sekv_mapped", None)  # placement.is_mapped remembers the model unplaced
+    devices = placement.layer_devices(split.model)
+    assert devices == [torch.device("cuda", 0), CPU] and placement.input_device(split.model) == torch.device("cuda", 0)
+    got, mem = _ask(pack_path, split)
+    assert len(ref) > 0 and got == ref
+    assert mem.layer_devices == devices
+    if method == "full":
+        assert [mem.kv.k[i].device for i in range(2)] == devices
+        return
+    res = mem.res
+    assert isinstance(mem.step, BatchedStep) and res.split
+    for layer, dev in enumerate(devices):
+        assert res.kv.k[layer].device == res.kv.jk[layer].device == dev  # resident KV, coarse entries, annex
+        assert _tensor_devices(res.gates[layer]) == {dev}
+        assert mem.step.blocks[layer].used.device == dev
+        if mem.step.fixed is not None:
+            assert mem.step.fixed.keep[layer].device == dev
+        else:
+            assert mem.step.rk[layer].device == dev
+    for name in residents.DEVICE_TABLES:
+        if hasattr(res, name):
+            assert getattr(res.at(CPU), name).device == CPU, name
+    # the batched step on both devices again, per-layer routing (the flat slots), and the reference step: same tokens
+    assert _ask(pack_path, split, method=None)[0] == ref
+    p = sekv.open(pack_path, model=split, params={"routing": "per_layer"})
+    q = sekv.open(pack_path, model=one, params={"routing": "per_layer"})
+    assert p.ask(Q, max_new_tokens=8).tokens.ids == q.ask(Q, max_new_tokens=8).tokens.ids
+    assert p.session.memory.step.rk[1].device == CPU and p.session.memory.step.rk[0].device.type == "cuda"
