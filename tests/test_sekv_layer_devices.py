@@ -144,6 +144,40 @@ def test_scout_masses_are_scored_a_device_at_a_time(lm, pack_path, monkeypatch):
     assert out.device == CPU and out[:, 0].tolist() == [0.0, 1.0]
 
 
+def _per_layer_lists(obj, n_layers: int, seen=None, depth=0):
+    """Every list of n_layers tensors reachable from obj's attributes (a layer's K/V buffers, tables, gates...):
+    (path, list)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 3:
+        return
+    seen.add(id(obj))
+    for name, value in vars(obj).items() if hasattr(obj, "__dict__") and not torch.is_tensor(obj) else []:
+        if isinstance(value, list) and len(value) == n_layers and value and all(torch.is_tensor(t) for t in value):
+            yield name, value
+        elif hasattr(value, "__dict__") and not torch.is_tensor(value) and type(value).__module__.startswith("sekv_core"):
+            yield from ((f"{name}.{p}", v) for p, v in _per_layer_lists(value, n_layers, seen, depth + 1))
+
+
+#: a method's host tier (the tokens sentencekv fetches from): in host memory whatever the layer's device
+HOST_TIERS = {"cpu_k", "cpu_v"}
+
+
+@pytest.mark.parametrize("method", sorted(m for m in methods.REGISTRY if methods.get(m).per_layer_devices))
+def test_every_per_layer_method_puts_each_layers_tensors_on_its_device(lm, method, tmp_path):
+    """A method that takes one device per layer (Session.open gives it the model's layer devices) keeps each layer's
+    tensors on its layer's device: every per-layer list of tensors of its memory, layer 1 on "meta"."""
+    path = sekv.ingest(SAMPLE_MD, tmp_path / "doc.sekv", method=method, model=lm).pack_path
+    pack = read_pack(path)
+    m = methods.get(method)
+    mem = m.open(pack, stored_params(pack), ModelShape.of(lm.config, torch.float32), [CPU, META])
+    if method == "rag":
+        mem = mem.kv  # its KV is made at ask time, in this full memory
+    lists = {k: v for k, v in _per_layer_lists(mem, lm.config.num_hidden_layers) if k not in HOST_TIERS}
+    assert lists, "no per-layer tensors found"
+    for name, tensors in lists.items():
+        assert [t.device for t in tensors] == [CPU, META], name
+
+
 def test_device_groups():
     cuda1 = torch.device("cuda", 1)
     assert device_groups([CPU, META, CPU, cuda1]) == [(CPU, [0, 2]), (META, [1]), (cuda1, [3])]
