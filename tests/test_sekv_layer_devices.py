@@ -158,7 +158,9 @@ def _per_layer_lists(obj, n_layers: int, seen=None, depth=0):
             yield from ((f"{name}.{p}", v) for p, v in _per_layer_lists(value, n_layers, seen, depth + 1))
 
 
-#: a method's host tier (the tokens sentencekv fetches from): in host memory whatever the layer's device
+#: lists that are not one tensor a layer: a method's host tier (the tokens sentencekv fetches from: host memory
+#: whatever the layer's device); depthweave's lists are one a depth window (its routing on the host, its window
+#: tables on the first layer's device, the other devices' in ``_other``): its layers' tensors are checked by name
 HOST_TIERS = {"cpu_k", "cpu_v"}
 
 
@@ -172,10 +174,18 @@ def test_every_per_layer_method_puts_each_layers_tensors_on_its_device(lm, metho
     mem = m.open(pack, stored_params(pack), ModelShape.of(lm.config, torch.float32), [CPU, META])
     if method == "rag":
         mem = mem.kv  # its KV is made at ask time, in this full memory
-    lists = {k: v for k, v in _per_layer_lists(mem, lm.config.num_hidden_layers) if k not in HOST_TIERS}
+    lists = {k: v for k, v in _per_layer_lists(mem, lm.config.num_hidden_layers)
+             if k not in HOST_TIERS and (method != "depthweave" or k.startswith("kv."))}
     assert lists, "no per-layer tensors found"
     for name, tensors in lists.items():
         assert [t.device for t in tensors] == [CPU, META], name
+    if method == "depthweave":  # each layer's codes (bases, coefficients, routed pools); the window tables on "meta"
+        for layer, dev in enumerate([CPU, META]):
+            for z in "kv":
+                zc = mem.codes[layer][z]
+                assert {t.device for t in (zc.basis, zc.resbasis, zc.coef, zc.pool, zc.coef_scale, zc.pool_scale) if t is not None} == {dev}
+        assert all(t.device == META for t in mem._other[META]["ng"] + mem._other[META]["boff"])
+        assert mem._tables(1, 0)[0].device == META and mem._tables(0, 0)[0] is mem.ng[0]
 
 
 def test_device_groups():
@@ -188,22 +198,42 @@ def test_device_groups():
 
 CUDA_SPLIT = {"model.embed_tokens": 0, "model.rotary_emb": "cpu", "model.layers.0": 0, "model.layers.1": "cpu",
               "model.norm": "cpu", "lm_head": "cpu"}
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("method", ["full", "sekv"])
-def test_cuda_split_between_gpu_and_cpu_answers_as_one_gpu(tiny_qwen, tmp_path, method):
-    """Layer 0 computes on cuda:0, layer 1 on the CPU (accelerate's dispatch with the CPU as the main device: a
-    CPU-mapped layer runs there instead of being streamed to the GPU): greedy tokens as the un-split model on cuda:0,
-    and each layer's KV (sekv: resident KV, coarse entries, gates, zoom buffers, block table) on its layer's device."""
+def gpu_cpu_split(path: str, device_map: dict = CUDA_SPLIT):
+    """The tiny model with layer 0 computing on cuda:0 and layer 1 on the CPU: accelerate's dispatch with the CPU
+    as the main device (a CPU-mapped layer then runs there; with a GPU as the main device it would be streamed to
+    the GPU and computed there, one device again)."""
     from accelerate import dispatch_model
 
+    lm = models.load(path, device="cpu", dtype=torch.float32)
+    dispatch_model(lm.model, device_map=device_map, main_device="cpu", force_hooks=True)
+    lm.model.__dict__.pop("_sekv_mapped", None)  # placement.is_mapped remembered the model unplaced
+    return lm
+
+
+@pytest.fixture(scope="module")
+def cuda_models(tiny_qwen):
     one = models.load(str(tiny_qwen), device="cuda", dtype=torch.float32)
+    return one, gpu_cpu_split(str(tiny_qwen))
+
+
+def test_the_gpu_cpu_split_is_placed_as_the_cuda_tests_need(tiny_qwen):
+    """The CUDA tests' placement, with the CPU for cuda:0: accelerate takes the map and the main device, and
+    sekv_core.placement reads the result as a placed model."""
+    lm = gpu_cpu_split(str(tiny_qwen), {k: "cpu" for k in CUDA_SPLIT})
+    assert placement.is_mapped(lm.model) and placement.layer_devices(lm.model) == [CPU, CPU]
+
+
+@needs_cuda
+@pytest.mark.parametrize("method", ["full", "sekv"])
+def test_cuda_split_between_gpu_and_cpu_answers_as_one_gpu(cuda_models, tmp_path, method):
+    """Layer 0 on cuda:0, layer 1 on the CPU: greedy tokens as the un-split model on cuda:0, and each layer's KV
+    (sekv: resident KV, coarse entries, gates, zoom buffers, block table) on its layer's device."""
+    one, split = cuda_models
     pack_path = sekv.ingest(SAMPLE_MD, tmp_path / "doc.sekv", method=method, model=one).pack_path
     ref, _ = _ask(pack_path, one)
-    split = models.load(str(tiny_qwen), device="cpu", dtype=torch.float32)
-    dispatch_model(split.model, device_map=CUDA_SPLIT, main_device="cpu")
-    split.model.__dict__.pop("_sekv_mapped", None)  # placement.is_mapped remembers the model unplaced
     devices = placement.layer_devices(split.model)
     assert devices == [torch.device("cuda", 0), CPU] and placement.input_device(split.model) == torch.device("cuda", 0)
     got, mem = _ask(pack_path, split)
@@ -225,9 +255,28 @@ def test_cuda_split_between_gpu_and_cpu_answers_as_one_gpu(tiny_qwen, tmp_path, 
     for name in residents.DEVICE_TABLES:
         if hasattr(res, name):
             assert getattr(res.at(CPU), name).device == CPU, name
-    # the batched step on both devices again, per-layer routing (the flat slots), and the reference step: same tokens
-    assert _ask(pack_path, split, method=None)[0] == ref
-    p = sekv.open(pack_path, model=split, params={"routing": "per_layer"})
-    q = sekv.open(pack_path, model=one, params={"routing": "per_layer"})
-    assert p.ask(Q, max_new_tokens=8).tokens.ids == q.ask(Q, max_new_tokens=8).tokens.ids
-    assert p.session.memory.step.rk[1].device == CPU and p.session.memory.step.rk[0].device.type == "cuda"
+    # per-layer routing (the flat slots on each device) and the reference step: the one-GPU model's tokens too
+    for params, batched in (({"routing": "per_layer"}, None), ({}, False)):
+        p, q = (sekv.open(pack_path, model=m, params=params) for m in (split, one))
+        if batched is not None:
+            p.session.memory.batched = q.session.memory.batched = batched
+        assert p.ask(Q, max_new_tokens=8).tokens.ids == q.ask(Q, max_new_tokens=8).tokens.ids, params
+    assert p.session.memory.res.kv.k[1].device == CPU
+
+
+@needs_cuda
+@pytest.mark.parametrize("method", sorted(m for m in methods.REGISTRY if methods.get(m).per_layer_devices))
+def test_cuda_split_every_method_answers_with_each_layer_on_its_device(cuda_models, tmp_path, method):
+    """Every per-layer method on the cuda:0 / CPU split: it answers, and its per-layer tensors are on the layers'
+    devices (tokens are compared for full and sekv above: a method's GPU-only kernels, e.g. depthweave's fused one,
+    round otherwise than its CPU path)."""
+    one, split = cuda_models
+    pack_path = sekv.ingest(SAMPLE_MD, tmp_path / "doc.sekv", method=method, model=one).pack_path
+    got, mem = _ask(pack_path, split)
+    assert len(got) > 0
+    devices = placement.layer_devices(split.model)
+    lists = {k: v for k, v in _per_layer_lists(mem.kv if method == "rag" else mem, 2)
+             if k not in HOST_TIERS and (method != "depthweave" or k.startswith("kv."))}
+    assert lists
+    for name, tensors in lists.items():
+        assert [t.device for t in tensors] == devices, name
