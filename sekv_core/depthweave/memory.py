@@ -13,6 +13,10 @@ attention mass and the window is re-routed within its current residual bytes.  E
 ``probe_every`` decode steps the probes (probe.py) measure attention-output errors,
 move the window offsets, add their attention mass, and the routing is re-solved
 against the budget.  ``truncate`` back to the document restores the pack's state.
+
+On a model placed across devices (``device``: one per layer) each layer's codes, pools and exact / appended tokens
+live on its layer's device; the window tables a layer reads (bases, group counts and offsets, the rotation) are on
+every device that has a layer, the first layer's as ``ng`` / ``boff`` / ``rot``, the others' in ``_other``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import SekvError
-from ..methods.base import GrowingKV, KVMemory, ModelShape, StepStats, TensorStore
+from ..methods.base import GrowingKV, KVMemory, ModelShape, StepStats, TensorStore, per_layer
 from . import attention as at
 from . import codec, router
 from .probe import ProbeController, relative_error
@@ -48,32 +52,42 @@ class DepthWeaveMemory(KVMemory):
         self.spec = spec = codec.Spec.load(store)
         if (spec.n_layers, spec.n_kv_heads, spec.head_dim) != (shape.n_layers, shape.n_kv_heads, shape.head_dim):
             raise SekvError("this depthweave pack was made for a model of a different shape; re-ingest the document")
-        self.shape, self.params, self.device = shape, params, torch.device(device)
+        self.devices = per_layer(device, shape.n_layers)
+        self.shape, self.params = shape, params
+        self.device = self.devices[0] if isinstance(device, (list, tuple)) else torch.device(device)
         dev, L, M, hkv, nc = self.device, spec.n_layers, spec.n_windows, spec.n_kv_heads, spec.n_compressed
+        split = len(set(self.devices)) > 1
         self.itemsize = torch.empty(0, dtype=shape.dtype).element_size()
         chunk = int(params.get("chunk", 0))  # 0: ~1/8 of the document, at least 256 tokens
         self.chunk = chunk if chunk > 0 else max(256, -(-spec.n_compressed // 8 // 256) * 256)
         self.gol = torch.tensor(spec.groups_of_level, dtype=torch.uint8)
 
         bases = {(z, m): store.get(f"depthweave.basis.{z}.{m}").float().to(dev) for z in "kv" for m in range(M)}
+        if split:  # each window's bases on every device one of its layers is on
+            bases.update({(z, spec.window_of(i), d): bases[(z, spec.window_of(i))].to(d) for i, d in enumerate(self.devices) if d != dev for z in "kv"})
         self.codes: list[dict[str, at.ZCodes]] = []
         self.tier: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]] = []  # CPU top-level residuals
         for i in range(L):
-            m, zc, tier = spec.window_of(i), {}, {}
+            m, zc, tier, di = spec.window_of(i), {}, {}, self.devices[i] if split else dev
             for z in "kv":
                 get = lambda name: store.get(f"depthweave.{name}.{z}.{i}")  # noqa: E731
-                coef = get("coef").to(dev)
-                cs = get("coef_scale").to(dev) if spec.coef_bits else None
+                coef = get("coef").to(di)
+                cs = get("coef_scale").to(di) if spec.coef_bits else None
                 tier[z] = (get("res"), get("res_scale") if spec.res_bits and spec.channels(z) else None)
-                zc[z] = at.ZCodes(bases[(z, m)], get("resbasis").float().to(dev), coef, cs, torch.empty(0), None, spec.group(z), spec.rank(z))
+                basis = bases[(z, m)] if di == dev else bases[(z, m, di)]
+                zc[z] = at.ZCodes(basis, get("resbasis").float().to(di), coef, cs, torch.empty(0), None, spec.group(z), spec.rank(z))
             self.codes.append(zc)
             self.tier.append(tier)
         exact = [[store.get(f"depthweave.exact.{z}.{i}").to(shape.dtype) for i in range(L)] for z in "kv"]
-        self.kv = GrowingKV.from_tensors(exact[0], exact[1], dev, extra=256)
+        self.kv = GrowingKV.from_tensors(exact[0], exact[1], self.devices if split else dev, extra=256)
         self.rot = None
+        #: the window tables of the devices other than the first layer's: device -> {"ng", "boff": per window, "rot"}
+        self._other = {d: {"ng": [None] * M, "boff": [None] * M, "rot": None} for d in dict.fromkeys(self.devices) if split and d != dev}
         if spec.pre_rope:
             r = store.get("depthweave.rope").float()
             self.rot = at.Rotary(r[:-1].to(dev), float(r[-1]), shape.dtype, spec.n_exact)
+            for d, t in self._other.items():
+                t["rot"] = at.Rotary(r[:-1].to(d), float(r[-1]), shape.dtype, spec.n_exact)
 
         # router state
         self.feat = {k: store.get(f"depthweave.feat.{k}").float() for k in ("mass", "spike", "energy")}
@@ -103,7 +117,7 @@ class DepthWeaveMemory(KVMemory):
         fused = str(params.get("fused", "auto"))
         # the kernel covers quantised packs whose keys and values both have (or both lack) residual channels
         kernel_layout = bool(spec.coef_bits and spec.res_bits) and (spec.channels("k") > 0) == (spec.channels("v") > 0)
-        self.use_fused = fused != "off" and kernel_layout and fused_available(self.device)
+        self.use_fused = fused != "off" and kernel_layout and all(fused_available(d) for d in set(self.devices))
         if fused == "on" and not self.use_fused:
             raise SekvError("fused=on needs a CUDA device with triton installed and a quantised pack")
         self.ng = [torch.zeros(hkv, nc, dtype=torch.uint8, device=dev) for _ in range(M)]
@@ -153,6 +167,8 @@ class DepthWeaveMemory(KVMemory):
             self._shares = None
             ng, boff, _ = codec.group_offsets(lv, self.gol)
             self.ng[m], self.boff[m] = ng.to(self.device), boff.to(self.device)
+            for d, t in self._other.items():
+                t["ng"][m], t["boff"][m] = ng.to(d), boff.to(d)
             for i in range(s, e):
                 for z in "kv":
                     res, scale = self.tier[i][z]
@@ -161,8 +177,9 @@ class DepthWeaveMemory(KVMemory):
                         continue
                     dense = res.view(*res.shape[:2], mg, -1)
                     zc = self.codes[i][z]
-                    zc.pool = codec.cut_pool(dense, lv, self.gol, mg).to(self.device)
-                    zc.pool_scale = None if scale is None else codec.cut_pool(scale, lv, self.gol, mg).to(self.device)
+                    di = self.devices[i] if self._other else self.device
+                    zc.pool = codec.cut_pool(dense, lv, self.gol, mg).to(di)
+                    zc.pool_scale = None if scale is None else codec.cut_pool(scale, lv, self.gol, mg).to(di)
 
     def _route_all(self) -> None:
         levels, self.tau = self._solve()
@@ -181,6 +198,11 @@ class DepthWeaveMemory(KVMemory):
         self._dirty = True
 
     # -- attention -------------------------------------------------------------------------------------------
+    def _tables(self, layer: int, m: int):
+        """(group counts, group offsets, rotation) of window m on the layer's device."""
+        t = self._other.get(self.devices[layer]) if self._other else None
+        return (self.ng[m], self.boff[m], self.rot) if t is None else (t["ng"][m], t["boff"][m], t["rot"])
+
     def _attend(self, layer: int, qf: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, n_new: int, heads=None, dense=None,
                 keep_scores: bool = False):
         """qf [Hkv', G*q, d] float32, pre-scaled -> (o [Hkv', G*q, d], lse, doc score chunks)."""
@@ -192,13 +214,14 @@ class DepthWeaveMemory(KVMemory):
             mask = (torch.arange(t, device=qf.device)[None, :] <= (t - n_new + rows)[:, None]).unsqueeze(0)
         ktt, vtt = (kt, vt) if heads is None else (kt[heads], vt[heads])
         tail = at.partial(qf, ktt.float(), vtt.float(), mask)[:3]
+        ng, boff, rot = self._tables(layer, m)
         if self.use_fused and n_new == 1 and heads is None and dense is None and not keep_scores and self.spec.n_compressed:
             zk, zv = self.codes[layer]["k"], self.codes[layer]["v"]
-            doc = [kernel_triton.doc_attention(qf, zk, zv, self.ng[m], self.boff[m], self.spec.max_groups, self.rot)]
+            doc = [kernel_triton.doc_attention(qf, zk, zv, ng, boff, self.spec.max_groups, rot)]
             scores, transient = [], 0
         else:
-            doc, scores, transient = at.doc_partials(qf, self.codes[layer]["k"], self.codes[layer]["v"], self.ng[m],
-                                                     self.spec.max_groups, self.rot, self.chunk, keep_scores, heads, dense)
+            doc, scores, transient = at.doc_partials(qf, self.codes[layer]["k"], self.codes[layer]["v"], ng,
+                                                     self.spec.max_groups, rot, self.chunk, keep_scores, heads, dense)
         self._transient = max(self._transient, transient)
         o, lse = at.merge(doc + [tail])
         return o, lse, scores

@@ -98,6 +98,7 @@ class DepthWeaveParams(Params):
 
 class DepthWeaveMethod(CacheMethod):
     name = "depthweave"
+    per_layer_devices = True  # each layer's codes, pools and tokens on its layer's device (depthweave/memory.py)
     summary = "DepthWeave-KV: cross-layer low-rank bases + routed quantised residuals, online probes"
     needs_scores = ("attn_mass", "obs_queries", "token_text")
     params_type = DepthWeaveParams

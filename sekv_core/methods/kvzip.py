@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SekvError
-from .base import CacheMethod, GrowingKV, KVMemory, ModelShape, PrefillResult, StepStats, TensorStore, causal_attention
+from .base import CacheMethod, GrowingKV, KVMemory, ModelShape, PrefillResult, StepStats, TensorStore, causal_attention, per_layer
 from .full import FullMemory
 from .scores import check_budget, kept_tokens
 from .params import BudgetParams, Params
@@ -302,18 +302,23 @@ class RaggedEvictedMemory(KVMemory):
     Each layer owns one buffer [1, Hkv, capacity, d]: KV head j's kept rows, then the appended tokens, then zeros up
     to the capacity (a multiple of ROW_QUANTUM); a forward writes the new tokens after each head's own rows and
     attends once per layer (GQA) over the whole buffer, each head's rows past its tokens masked.
+
+    ``device``: one device, or one per layer (a model placed across devices): each layer's buffers on its own.
     """
 
     def __init__(self, keys: list[list[torch.Tensor]], values: list[list[torch.Tensor]], n_doc: int, shape: ModelShape,
                  device, extra: int = 256):
         self.shape, self.n_doc = shape, n_doc
+        devices = per_layer(device, shape.n_layers)
         self.kept = [[int(k.shape[0]) for k in layer] for layer in keys]
-        self._kept_t = [torch.tensor(layer, device=device) for layer in self.kept]
-        self.bk = [self._buffer(layer, extra, device) for layer in keys]
-        self.bv = [self._buffer(layer, extra, device) for layer in values]
+        self._kept_t = [torch.tensor(layer, device=dev) for layer, dev in zip(self.kept, devices)]
+        self.bk = [self._buffer(layer, extra, dev) for layer, dev in zip(keys, devices)]
+        self.bv = [self._buffer(layer, extra, dev) for layer, dev in zip(values, devices)]
         self.appended = [0] * shape.n_layers
-        self._heads = torch.arange(shape.n_kv_heads, device=device).view(-1, 1)
-        self._cols = torch.arange(max(b.shape[2] for b in self.bk), device=device)
+        #: per device: the KV heads' indices [Hkv, 1], the buffers' column indices (as long as the longest buffer)
+        on = {b.device for b in self.bk}  # the buffers' own devices (indexed: "cuda" is made "cuda:0")
+        self._heads = {dev: torch.arange(shape.n_kv_heads, device=dev).view(-1, 1) for dev in on}
+        self._cols = {dev: torch.arange(max(b.shape[2] for b in self.bk), device=dev) for dev in on}
 
     def _buffer(self, heads: list[torch.Tensor], extra: int, device) -> torch.Tensor:
         rows = _quantum(max(t.shape[0] for t in heads) + extra)
@@ -330,8 +335,9 @@ class RaggedEvictedMemory(KVMemory):
                 new = buf.new_zeros(1, buf.shape[1], _quantum(max(2 * buf.shape[2], rows)), buf.shape[3])
                 new[:, :, : buf.shape[2]] = buf
                 bufs[layer] = new
-        if self.bk[layer].shape[2] > self._cols.numel():
-            self._cols = torch.arange(self.bk[layer].shape[2], device=self._cols.device)
+        dev = self.bk[layer].device
+        if self.bk[layer].shape[2] > self._cols[dev].numel():
+            self._cols[dev] = torch.arange(self.bk[layer].shape[2], device=dev)
 
     def attend(self, layer, query, key, value, scaling):
         q, g = query.shape[-2], self.shape.n_heads // self.shape.n_kv_heads
@@ -339,9 +345,10 @@ class RaggedEvictedMemory(KVMemory):
         self._fit(layer, max(self.kept[layer]) + a + q)
         bk, bv = self.bk[layer], self.bv[layer]
         at = self._kept_t[layer].view(-1, 1) + a + torch.arange(q, device=query.device)  # [Hkv, q]: each head's new rows
-        bk[0, self._heads, at] = key[0]
-        bv[0, self._heads, at] = value[0]
-        visible = self._cols[: bk.shape[2]].view(1, 1, -1) <= at.unsqueeze(-1)  # [Hkv, q, capacity]: causal, no padding
+        heads = self._heads[bk.device]
+        bk[0, heads, at] = key[0]
+        bv[0, heads, at] = value[0]
+        visible = self._cols[bk.device][: bk.shape[2]].view(1, 1, -1) <= at.unsqueeze(-1)  # [Hkv, q, capacity]: causal, no padding
         mask = visible.repeat_interleave(g, dim=0).unsqueeze(0)  # [1, H, q, capacity]
         self.appended[layer] = a + q
         return F.scaled_dot_product_attention(query, bk, bv, attn_mask=mask, scale=scaling, enable_gqa=True)
@@ -371,6 +378,7 @@ class KVzipMethod(CacheMethod):
     summary = "baseline: context-reconstruction attention, per-pair eviction (KVzip)"
     needs_scores = ("kvzip_prompts",)
     params_type = KVzipParams
+    per_layer_devices = True
 
     def compress(self, prefill: PrefillResult, params):
         p = KVzipParams.of(params)

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import SekvError
 from . import bm25
-from .base import CacheMethod, KVMemory, ModelShape, PrefillResult, StepStats, TensorStore
+from .base import CacheMethod, KVMemory, ModelShape, PrefillResult, StepStats, TensorStore, per_layer
 from .full import FullMemory
 from .params import DEFAULT_BUDGET, BudgetParams, ask_time
 from .sentencekv import sentence_bounds
@@ -73,11 +73,12 @@ class RagMemory(KVMemory):
 
     Before a question, n_tokens() is the document's length (what ask reports and truncates back to); once the
     chunks are prefilled it is the next position of the prefilled context.  truncate(n) with n at most the
-    document's length drops everything (back to the pack's state)."""
+    document's length drops everything (back to the pack's state).  ``device``: one device, or one per layer (a
+    model placed across devices: each layer's KV on its own; the chunks' token ids go to the first layer's)."""
 
     def __init__(self, tokens: torch.Tensor, doc: tuple[int, int], bounds: list[int], index: bm25.Index, budget: float,
                  shape: ModelShape, device):
-        self.shape, self.device = shape, torch.device(device)
+        self.shape, self.device = shape, per_layer(device, shape.n_layers)[0]
         self.tokens, self.doc, self.bounds, self.index = tokens.long(), doc, bounds, index
         self.n_doc = int(tokens.numel())
         from ..ingest import RESERVE_TOKENS
@@ -167,6 +168,7 @@ class RagMemory(KVMemory):
 
 class RagMethod(CacheMethod):
     name = "rag"
+    per_layer_devices = True  # its KV is the full cache's (GrowingKV), prefilled at ask time
     summary = "BM25 over text chunks; the best that fit the budget are prefilled with the question (no KV at ingest)"
     params_type = RagParams
     needs_prefill = False

@@ -20,6 +20,8 @@ class SekvMethod(CacheMethod):
     # the document end's queries (the scout's question-independent profile), the tokens' word terms (its lexical evidence)
     needs_scores = ("obs_queries", "lex_terms")
     ablations = ABLATIONS
+    #: each layer's resident KV, coarse entries and zoom buffers on its layer's device (sekv/residents.py)
+    per_layer_devices = True
 
     def needs(self, params: SekvParams) -> tuple[str, ...]:
         """With the KVzip prior (sekv/prior.py), also the reconstruction prompts kvzip reads."""

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SekvError
-from .base import CacheMethod, GrowingKV, KVMemory, ModelShape, StepStats, TensorStore, causal_attention
+from .base import CacheMethod, GrowingKV, KVMemory, ModelShape, StepStats, TensorStore, causal_attention, per_layer
 from .params import DEFAULT_BUDGET, Params, ask_time
 from .scores import kept_tokens
 
@@ -80,19 +80,24 @@ def merge_to_fit(bounds: list[int], max_sentences: int) -> list[int]:
 
 
 class SentenceMemory(KVMemory):
+    """``device``: one device, or one per layer (a model placed across devices): each layer's sentence means, fetched
+    tokens and tail on its own, the sentence tables on each of those devices once."""
+
     def __init__(self, keys, values, means, bounds: torch.Tensor, budget: float, shape: ModelShape, device):
         self.cpu_k, self.cpu_v = keys, values  # per layer [Hkv, N, d] on the CPU (the pack, memory-mapped)
-        self.means = [m.to(device) for m in means]  # per layer [Hkv, S, d] on the compute device
-        self.shape, self.device = shape, device
+        self.devices = per_layer(device, shape.n_layers)
+        self.means = [m.to(dev) for m, dev in zip(means, self.devices)]  # per layer [Hkv, S, d] on the compute device
+        self.shape, self.device = shape, self.devices[0]
         self.n_doc = int(bounds[-1])
-        self.lens = (bounds[1:] - bounds[:-1]).to(device)
-        self.sent_of = torch.repeat_interleave(torch.arange(len(self.lens), device=device), self.lens)  # [N]
-        self.n_sent = len(self.lens)
+        lens = bounds[1:] - bounds[:-1]
+        #: per device of a layer: each sentence's length [S], each token's sentence [N]
+        self.tables = {m.device: (lens.to(m.device), torch.repeat_interleave(torch.arange(len(lens)), lens).to(m.device)) for m in self.means}
+        self.n_sent = len(lens)
         self.capacity = min(self.n_doc, math.floor(budget * self.n_doc + 1e-9) - math.ceil(self.n_sent / 2))
         if self.capacity < 0:
             raise SekvError(f"--budget {budget} is too small for this pack: its {self.n_sent} sentence means alone take "
                             f"{self.n_sent / 2 / self.n_doc:.3f} of the full KV cache")
-        self.tail = GrowingKV(shape.n_layers, shape.n_kv_heads, shape.head_dim, shape.dtype, device, 256)
+        self.tail = GrowingKV(shape.n_layers, shape.n_kv_heads, shape.head_dim, shape.dtype, self.devices, 256)
         self.fetched = [0] * shape.n_layers
         self.picked = [0] * shape.n_layers
 
@@ -102,10 +107,11 @@ class SentenceMemory(KVMemory):
         q = query[0].float().reshape(hkv, -1, query.shape[-2], d).mean(2).sum(1)  # [Hkv, d]
         sc = torch.einsum("kd,ksd->ks", q, self.means[layer].float())
         order = torch.argsort(sc, dim=-1, descending=True, stable=True)
-        fit = self.lens[order].cumsum(-1) <= self.capacity
+        lens, sent_of = self.tables[self.means[layer].device]
+        fit = lens[order].cumsum(-1) <= self.capacity
         sel = torch.zeros_like(fit).scatter(1, order, fit)  # [Hkv, S]
         self.picked[layer] = int(sel.sum())
-        tok = sel[:, self.sent_of]  # [Hkv, N]
+        tok = sel[:, sent_of]  # [Hkv, N]
         counts = tok.sum(-1)
         c = int(counts.max()) if counts.numel() else 0
         pos = torch.arange(n, device=tok.device)
@@ -118,8 +124,8 @@ class SentenceMemory(KVMemory):
         c = idx.shape[1]
         self.fetched[layer] = c
         gi = idx.cpu().unsqueeze(-1).expand(-1, -1, self.shape.head_dim)
-        dk = self.cpu_k[layer].gather(1, gi).to(self.device, non_blocking=True)
-        dv = self.cpu_v[layer].gather(1, gi).to(self.device, non_blocking=True)
+        dk = self.cpu_k[layer].gather(1, gi).to(self.devices[layer], non_blocking=True)
+        dv = self.cpu_v[layer].gather(1, gi).to(self.devices[layer], non_blocking=True)
         keys, values = torch.cat([dk[None], tk], 2), torch.cat([dv[None], tv], 2)
         qn = query.shape[-2]
         if bool(valid.all()):
@@ -160,6 +166,7 @@ class SentenceKVParams(Params):
 
 class SentenceKVMethod(CacheMethod):
     name = "sentencekv"
+    per_layer_devices = True
     summary = "baseline: sentence mean keys on the device, the query fetches top sentences from CPU (SentenceKV)"
     needs_scores = ("token_text",)
     params_type = SentenceKVParams

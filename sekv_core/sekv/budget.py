@@ -72,7 +72,12 @@ class ZoomLedger:
             self.budget_bytes = (self.n_doc + n_appended) * self.shape.kv_bytes_per_token()
 
     def count(self, layer: int, keep: torch.Tensor, expanded: torch.Tensor, h2d_bytes=0) -> None:
-        """A layer's zoom: keep [Hkv, S] (the (group, span) pairs rebuilt), expanded [H, S] (what each head sees)."""
+        """A layer's zoom: keep [Hkv, S] (the (group, span) pairs rebuilt), expanded [H, S] (what each head sees); a
+        layer on another device than the ledger's (a model placed across devices) has them copied here, no host sync
+        where the ledger is on an accelerator."""
+        if keep.device != self.step_spans.device:
+            keep, expanded = _here(keep, self.step_spans.device), _here(expanded, self.step_spans.device)
+            h2d_bytes = _here(h2d_bytes, self.step_spans.device) if torch.is_tensor(h2d_bytes) else h2d_bytes
         spans = keep.any(0)
         self.step_spans |= spans
         self.ask_spans |= spans
@@ -83,7 +88,7 @@ class ZoomLedger:
 
     def count_positions(self, n: torch.Tensor) -> None:
         """A layer's resident set took n [Hkv] positions before the question."""
-        torch.maximum(self.positions, n.max(), out=self.positions)
+        torch.maximum(self.positions, _here(n.max(), self.positions.device), out=self.positions)
 
     # -- the ask --------------------------------------------------------------------------------------------
 
@@ -114,3 +119,9 @@ class ZoomLedger:
             out["positions"] = {"window": w, "question_at": p0, "resident_tokens": int(self.positions)}
             out["window_capped"] = capped
         return out
+
+
+def _here(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t on ``device``: itself there; else a copy, asynchronous unless it goes to the host (a non-blocking copy to the
+    host could be read before it lands)."""
+    return t if t.device == device else t.to(device, non_blocking=device.type != "cpu")

@@ -39,9 +39,9 @@ class CpuStep:
         """The ledger is up to date after every layer."""
 
     def attend(self, layer, query, key, value, scaling):
-        r = self.res
+        r = self.res.at_layer(layer)  # the pack on the layer's device
         keys, values = r.kv.append(layer, key, value)
-        keep, expanded = self._choose(layer, query)
+        keep, expanded = self._choose(r, layer, query)
         slots = None
         if r.layout is not None:  # re-positioned (sekv/positions.py): the base keys rotated to this kept set's slots
             base_slots, slots = r.layout.place(keep)
@@ -55,7 +55,7 @@ class CpuStep:
                 rk, rv, slot_span = cached[1:]
             else:
                 self.held[layer] = None  # release the old set before building the new one
-                rk, rv, slot_span, h2d = self._rebuild(layer, keep, slots)
+                rk, rv, slot_span, h2d = self._rebuild(r, layer, keep, slots)
                 self.held[layer] = (keep, rk, rv, slot_span)
             keys = torch.cat([keys, rk.unsqueeze(0)], 2)
             values = torch.cat([values, rv.unsqueeze(0)], 2)
@@ -66,18 +66,18 @@ class CpuStep:
             n_tail=r.kv.len[layer] - r.n_base, slot_span=slot_span, dtype=query.dtype, coarse=r.coarse_mask(expanded),
         )
         out = mixed_attention(query, keys, values, mask, scaling)
-        self._account(layer, keep, expanded, h2d)
+        self._account(r, layer, keep, expanded, h2d)
         return out
 
-    def _choose(self, layer: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _choose(self, r: Residents, layer: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> keep [Hkv, B] (the (group, block) pairs to rebuild), expanded [H, B] (what each query head sees)."""
-        r, cap = self.res, self.cap
+        cap = self.cap
         H, hkv, B, dev = query.shape[1], r.shape.n_kv_heads, r.n_blocks, query.device
         if B == 0 or cap == 0:  # nothing to zoom / the persistent part fills the budget
             return torch.zeros(hkv, B, dtype=torch.bool, device=dev), torch.zeros(H, B, dtype=torch.bool, device=dev)
         if self.ranking is not None and self.ranking.ranks():  # one ranking of zoom blocks for every layer
             cand = torch.ones(H, B, dtype=torch.bool, device=dev)
-            prio = self.ranking.prio.view(1, -1).expand(hkv, -1)
+            prio = self.ranking.on(dev).view(1, -1).expand(hkv, -1)
             keep = select(prio, r.block_cost, cap)
         else:  # the layer's gates over whole spans; a kept span is all of its blocks
             lay = r.layout  # re-positioned: the coarse keys at their slots with nothing zoomed
@@ -98,10 +98,9 @@ class CpuStep:
         f, lay = r.factors[layer]
         return fz.gather(f, lay, r.span_len, g, r.block_span[b], r.shape.head_dim, row0=r.block_off[b], rows=r.block_len[b])
 
-    def _rebuild(self, layer: int, keep: torch.Tensor, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def _rebuild(self, r: Residents, layer: int, keep: torch.Tensor, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """Fetch + rebuild the kept (group, block) pairs -> rows K / V [Hkv, U, d], slot block ids [Hkv, U], bytes
         moved to the compute device.  slots [Hkv, B]: each block's first position where they are re-positioned."""
-        r = self.res
         d, hkv = r.shape.head_dim, r.shape.n_kv_heads
         g, i = torch.nonzero(keep.cpu(), as_tuple=True)  # sorted by group, then block
         g2, i2 = torch.cat([g, g + hkv]), torch.cat([i, i])  # K blocks, then V blocks
@@ -109,20 +108,20 @@ class CpuStep:
         rows = fz.expand(dev, d, torch.float32)  # [2E, n_max, d]
         e = g.numel()
         idev = i.to(r.device)
-        rows[:e] = self._rotate(rows[:e], r.block_start_dev[idev] if slots is None else slots[g.to(r.device), idev])
+        rows[:e] = self._rotate(r, rows[:e], r.block_start_dev[idev] if slots is None else slots[g.to(r.device), idev])
         out, blk, _ = place(rows.to(r.shape.dtype), g2.to(r.device), r.block_len_dev[i2.to(r.device)], 2 * hkv)
         slot_span = torch.where(blk[:hkv] >= 0, idev[blk[:hkv].clamp_min(0)], torch.full_like(blk[:hkv], -1))
         return out[:hkv], out[hkv:], slot_span, dev.nbytes()
 
-    def _rotate(self, rows: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    def _rotate(self, r: Residents, rows: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """Rebuilt key rows [E, n_max, d] of blocks starting at token positions start [E], rotated to their positions."""
         pos = start.view(-1, 1) + torch.arange(rows.shape[1], device=rows.device).view(1, -1)
-        return self.res.rotate(rows, pos)
+        return r.rotate(rows, pos)
 
-    def _account(self, layer: int, keep: torch.Tensor, expanded: torch.Tensor, h2d: int) -> None:
+    def _account(self, r: Residents, layer: int, keep: torch.Tensor, expanded: torch.Tensor, h2d: int) -> None:
         if keep.numel() == 0:
             return
-        r, led = self.res, self.ledger
+        led = self.ledger
         led.resident += int((keep.long() * r.block_len_dev.view(1, -1)).sum()) * r.entry_bytes
         led.count(layer, r.span_level(keep), r.span_level(expanded), h2d)  # a span is zoomed when any of its blocks is
 
@@ -131,7 +130,7 @@ class CpuStep:
     def block_lse(self, layer: int, q: torch.Tensor, scaling: float):
         """The scout's logsumexps of every zoom block's rebuilt keys (post-RoPE) for queries q [Hkv, M, d], in
         chunks of about the layer's cap in rebuilt keys (at least one block): -> (lse [E, M], group [E], block [E])."""
-        r = self.res
+        r = self.res.at_layer(layer)
         d, hkv = r.shape.head_dim, r.shape.n_kv_heads
         per_block = hkv * int(r.block_len.max()) * d * 4
         chunk = max(1, int((self.cap or per_block) // per_block))
@@ -141,7 +140,7 @@ class CpuStep:
             b = torch.arange(a, min(a + chunk, r.n_blocks)).repeat(hkv)
             g = torch.arange(hkv).repeat_interleave(b.numel() // hkv)
             gd, bd = g.to(r.device), b.to(r.device)
-            rows = self._rotate(fz.expand(self._fetch(layer, g, b).to(r.device), d, torch.float32), start[bd])
+            rows = self._rotate(r, fz.expand(self._fetch(layer, g, b).to(r.device), d, torch.float32), start[bd])
             lse.append(scout.span_logsumexp(q, rows, r.block_len_dev[bd], gd, scaling))
             grp.append(gd)
             sid.append(bd)

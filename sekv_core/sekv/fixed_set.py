@@ -32,8 +32,11 @@ SDPA_LAYOUT = "gqa"
 
 
 class FixedSets:
-    def __init__(self, res: Residents, ledger: ZoomLedger, ranking: Ranking, blocks: list[fb.Blocks], head_group: torch.Tensor):
-        self.res, self.ledger, self.ranking, self.blocks, self.head_group = res, ledger, ranking, blocks, head_group
+    """Each layer's set, masks and tables on its layer's device (a model placed across devices: the plan made once a
+    device); the recorded stats on the ledger's device."""
+
+    def __init__(self, res: Residents, ledger: ZoomLedger, ranking: Ranking, blocks: list[fb.Blocks]):
+        self.res, self.ledger, self.ranking, self.blocks = res, ledger, ranking, blocks
         L, S, dev = res.shape.n_layers, res.n_spans, res.device
         self.hkv = res.shape.n_kv_heads
         self.min_block = int(res.block_len.min()) if res.n_blocks else 1
@@ -61,15 +64,15 @@ class FixedSets:
         return [key is not None and x == key for x in self.filled_for]
 
     def allocate(self, rows: int) -> None:
-        r, L, dev = self.res, self.res.shape.n_layers, self.res.device
+        r, L, devs = self.res, self.res.shape.n_layers, self.res.layer_devices
         r.kv.set_annex(rows)  # a realloc of the resident buffers
-        self.keep = [torch.zeros(self.hkv, r.n_blocks, dtype=torch.bool, device=dev) for _ in range(L)]
-        self.n = [torch.zeros(self.hkv, dtype=torch.long, device=dev) for _ in range(L)]
+        self.keep = [torch.zeros(self.hkv, r.n_blocks, dtype=torch.bool, device=dev) for dev in devs]
+        self.n = [torch.zeros(self.hkv, dtype=torch.long, device=dev) for dev in devs]
         self.filled_for = [None] * L
         self.mask = [None] * L
         self._folded_for = None
         #: re-positioned: each layer's base entries' slots under its set
-        self.base_slots = [torch.zeros(self.hkv, r.n_base, dtype=torch.long, device=dev) for _ in range(L)]
+        self.base_slots = [torch.zeros(self.hkv, r.n_base, dtype=torch.long, device=dev) for dev in devs]
 
     def mask_bytes(self, cap: int, rows: int) -> int:
         """The masks: one column per resident entry (capacity cap) and per annex row, every head, every layer."""
@@ -105,7 +108,7 @@ class FixedSets:
     # -- the step -------------------------------------------------------------------------------------------
 
     def attend(self, layer: int, query: torch.Tensor, scaling: float, lim, key) -> torch.Tensor:
-        r = self.res
+        r = self.res.at_layer(layer)
         reuse = self.filled_for[layer] == key
         self.reused_now[layer] = reuse
         if reuse:
@@ -114,8 +117,8 @@ class FixedSets:
         if self._folded_for != key:  # before any layer's recorded stats are replaced: every layer at the key's first
             self._fold()  # fill, one fold for all (a layer that fills later for this key cannot have been reused since)
             self._folded_for = key
-        plan = self._plan(key, r.kv.annex_kv(layer)[0].shape[-2], query.shape[1])
-        words = self._fill(layer, plan)
+        plan = self._plan(r, key, r.kv.annex_kv(layer)[0].shape[-2], query.shape[1])
+        words = self._fill(r, layer, plan)
         self.spans[layer].copy_(plan["keep_s"].any(0))
         self.counts[layer].copy_(plan["exp_s"].sum(0))
         self.rate[layer].copy_(plan["exp_s"].double().mean())
@@ -123,20 +126,19 @@ class FixedSets:
         out = self._joint_attention(layer, query, scaling, lim, fresh=True, expanded=plan["expanded"])
         self.ledger.count(layer, plan["keep_s"], plan["exp_s"], words * 8)
         if layer == len(self.filled_for) - 1:  # the last layer: the plan's tables (rotations of every row) are not kept
-            self._plan_cache = None
+            self._plans = {}
         return out
 
-    def _plan(self, key, ug: int, h: int) -> dict:
+    def _plan(self, r: Residents, key, ug: int, h: int) -> dict:
         """What a fill takes from the ranking alone, the same for every layer (their block tables and row counts
         are): each group's top blocks that fit its ug rows, which pair fetches each span, each row's source row
-        and position, the kept set at block and span level.  Computed by the first layer a key fills, reused by
-        the others: a layer's own work is its fetch, rebuild and copies."""
-        cached = getattr(self, "_plan_cache", None)
+        and position, the kept set at block and span level.  Computed by the first layer a key fills (on each
+        device: r, the pack on the layer's), reused by the others: a layer's own work is its fetch, rebuild and copies."""
+        cached = getattr(self, "_plans", {}).get(r.device)
         if cached is not None and cached[0] == (key, ug, h):
             return cached[1]
-        r = self.res
         hkv, s, nb, dev = self.hkv, r.n_spans, r.n_blocks, r.device
-        prio = self.ranking.prio.view(1, -1).expand(hkv, -1)
+        prio = self.ranking.on(dev).view(1, -1).expand(hkv, -1)
         pg = min(nb, ug // max(1, self.min_block) + 1)
         top, idx = torch.topk(prio, pg, dim=1, sorted=True)  # [Hkv, pg] blocks, the same for every group
         n = r.block_len_dev[idx]
@@ -171,13 +173,12 @@ class FixedSets:
             plan["cos"], plan["sin"] = rope.cos_sin((start + j_of).flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype)
         expanded = keep.repeat_interleave(h // hkv, 0)
         plan["expanded"], plan["keep_s"], plan["exp_s"] = expanded, r.span_level(keep), r.span_level(expanded)
-        self._plan_cache = ((key, ug, h), plan)
+        self._plans = {**getattr(self, "_plans", {}), r.device: ((key, ug, h), plan)}
         return plan
 
-    def _fill(self, layer: int, plan: dict) -> torch.Tensor:
+    def _fill(self, r: Residents, layer: int, plan: dict) -> torch.Tensor:
         """Fetch and rebuild a layer's set into the annex (the blocks of :meth:`_plan`), written group-major; a
         block's rows come from its span's factor block.  -> words moved."""
-        r = self.res
         hkv, d = self.hkv, r.shape.head_dim
         ak, av = r.kv.annex_kv(layer)
         ug = ak.shape[-2]
@@ -204,7 +205,7 @@ class FixedSets:
         coarse entries with +log n_i, hidden where the group expanded the span; the tail up to lim (the resident
         length after this forward; causal among its q new tokens); each group's filled annex rows.
         fresh: build the mask (a fill); else unmask only the new token(s)."""
-        r = self.res
+        r = self.res.at_layer(layer)
         jk, jv = r.kv.jk[layer], r.kv.jv[layer]
         h, q = query.shape[1], query.shape[2]
         cap = r.kv.k[layer].shape[-2]
@@ -213,14 +214,14 @@ class FixedSets:
         if fresh:
             if self.mask[layer] is None or self.mask[layer].shape[-1] != cap + ug:
                 self.mask[layer] = torch.empty(1, h, 1, cap + ug, dtype=query.dtype, device=dev)
-            plan = getattr(self, "_plan_cache", (None, {}))[1]
+            plan = getattr(self, "_plans", {}).get(r.device, (None, {}))[1]
             mk = plan.get("mask") if plan.get("expanded") is expanded else None
             if mk is None or mk[0] != (cap, ug, lim) or torch.is_tensor(lim):  # the same for every layer of a plan
                 p = torch.arange(cap, device=dev)
                 m = torch.empty(h, cap + ug, device=dev)
                 m[:, :cap] = torch.where(p < lim, 0.0, float("-inf")).view(1, cap)
                 m[:, r.n_full : r.n_base] = r.coarse_mask(expanded)
-                rows = torch.arange(ug, device=dev).view(1, -1) < self.n[layer].index_select(0, self.head_group).view(-1, 1)
+                rows = torch.arange(ug, device=dev).view(1, -1) < self.n[layer].index_select(0, r.head_group).view(-1, 1)
                 m[:, cap:] = torch.where(rows, 0.0, float("-inf"))
                 mk = (cap, ug, lim), m.view(1, h, 1, -1)
                 if plan.get("expanded") is expanded and not torch.is_tensor(lim):

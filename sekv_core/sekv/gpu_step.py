@@ -45,13 +45,37 @@ SCOUT_CHUNK_BYTES = 64 << 20
 
 def build_blocks(res: Residents) -> list[fb.Blocks]:
     """Every layer's factor blocks (sekv/blocks.py): the factors decoded and re-laid on the accelerator, kept in
-    pinned host memory there."""
+    pinned host memory there; on a model placed across devices, each layer's on its layer's device."""
+    if res.split:
+        return _build_blocks_per_layer(res)
     wd = res.device if res.cuda else None
     out = [fb.build(res.factors.on_device(i), res.span_len, res.shape.head_dim, res.device, pin=res.cuda, work_device=wd, r_max=res.factors.rank_max(i),
                     wait=not res.cuda) for i in range(res.shape.n_layers)]
     if res.cuda:  # every layer's copy to pinned memory was left in flight: one wait for all of them
         torch.cuda.current_stream(res.device).synchronize()
     return out
+
+
+def _build_blocks_per_layer(res: Residents) -> list[fb.Blocks]:
+    """:func:`build_blocks` with each layer's factors decoded, re-laid and mapped (UVA) on its own device: the
+    current device set to it, so that the copies' streams and the mapped view are that device's."""
+    out = []
+    for i, dev in enumerate(res.layer_devices):
+        cuda = dev.type == "cuda"
+        with torch.cuda.device(dev) if cuda else contextlib.nullcontext():
+            out.append(fb.build(res.factors.on_device(i, dev), res.span_len, res.shape.head_dim, dev, pin=cuda, work_device=dev if cuda else None,
+                                r_max=res.factors.rank_max(i), wait=not cuda))
+    for dev in dict.fromkeys(d for d in res.layer_devices if d.type == "cuda"):  # one wait a device
+        torch.cuda.current_stream(dev).synchronize()
+    return out
+
+
+def device_groups(devices: list) -> list[tuple[torch.device, list[int]]]:
+    """The layers of each device, in the order the devices first appear: [(device, [layer, ...]), ...]."""
+    groups: dict = {}
+    for layer, dev in enumerate(devices):
+        groups.setdefault(torch.device(dev), []).append(layer)
+    return list(groups.items())
 
 
 class BlockBuild:
@@ -95,8 +119,8 @@ class BatchedStep:
         self.P = 0  # the most (group, span) pairs U slots hold
         self.rk: list[torch.Tensor] = []
         self.rv: list[torch.Tensor] = []
-        self.head_group = torch.arange(sh.n_heads, device=res.device) // (sh.n_heads // self.hkv)
-        self.fixed = FixedSets(res, ledger, ranking, self.blocks, self.head_group) if ranking is not None else None
+        self.head_group = res.head_group  # query head -> KV group (each device's: res.at(device).head_group)
+        self.fixed = FixedSets(res, ledger, ranking, self.blocks) if ranking is not None else None
         self.g_len = torch.zeros((), dtype=torch.long, device=res.device)  # static steps: the visible length
         self.base: torch.Tensor | None = None  # re-positioned: the last routed layer's rotated base keys (the scout reads them)
 
@@ -141,7 +165,7 @@ class BatchedStep:
         self.U = u
         self.P = 0 if u == 0 else min(self.hkv * r.n_spans, u // max(1, self.min_len) + 1)
         if self.fixed is None:
-            self.rk = [torch.zeros(u, self.d, dtype=r.shape.dtype, device=r.device) for _ in range(self.L)]
+            self.rk = [torch.zeros(u, self.d, dtype=r.shape.dtype, device=dev) for dev in r.layer_devices]
             self.rv = [torch.zeros_like(t) for t in self.rk]
 
     def resident_bytes(self) -> int:
@@ -164,7 +188,7 @@ class BatchedStep:
     # -- the step -------------------------------------------------------------------------------------------
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
-        r = self.res
+        r = self.res.at_layer(layer)
         if r.kv.static:  # one token, inside a whole-step graph (static_begin ran on the host)
             kb, vb = r.kv.append(layer, key, value)
             with _tf32(query.is_cuda and query.dtype != torch.float32):
@@ -196,7 +220,7 @@ class BatchedStep:
 
     def _routed(self, layer, query, keys, values, resident_mask, scaling) -> torch.Tensor:
         """Per-layer routing (the router's gates for this forward's queries) into the flat slots."""
-        r = self.res
+        r = self.res.at_layer(layer)
         h, hkv, s, d, u, dev = query.shape[1], self.hkv, r.n_spans, self.d, self.U, query.device
         lay = r.layout  # re-positioned (sekv/positions.py): the gates read the coarse keys at their slots with nothing zoomed
         cand, prio = r.gate_priorities(layer, query, None if lay is None else r.base_keys(layer, lay.place(torch.zeros(hkv, r.n_blocks, dtype=torch.bool, device=dev))[0]))
@@ -240,7 +264,7 @@ class BatchedStep:
             torch.index_select(rec[:, 1].reshape(-1, d), 0, src, out=rv)
             rv.masked_fill_(empty_slot, 0)
         # head h sees slot t iff t is filled, t's group is h's and h itself wanted t's span
-        mine = self.head_group.view(1, -1) == g.view(-1, 1)  # [P, H]
+        mine = r.head_group.view(1, -1) == g.view(-1, 1)  # [P, H]
         if r.head_masks:
             mine = mine & cand.t()[i]
         visible = (mine.index_select(0, p_of) & slot_ok.view(-1, 1)).t()  # [H, U]
@@ -253,7 +277,7 @@ class BatchedStep:
     def _placed(self, layer: int, keys: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Re-positioned: keys [1, Hkv, T, d] with the base entries rotated to the slots of the kept blocks keep
         [Hkv, B] (a copy: the buffer keeps them de-rotated), and each block's first slot [Hkv, B]."""
-        r = self.res
+        r = self.res.at_layer(layer)
         base_slots, slots = r.layout.place(keep)
         self.base = r.base_keys(layer, base_slots)
         out = keys.clone()
@@ -300,25 +324,40 @@ class BatchedStep:
         (group, span) factor blocks, at long contexts) is rebuilt, rotated and scored together, its float32 work
         tensors near SCOUT_CHUNK_BYTES each.  The per-layer work is only the view of its blocks and their
         dequantisation (each layer has its own ranks); rotation tables, logits, the segmented logsumexp and the
-        masses run once per chunk."""
-        S, L = self.res.n_spans, self.L
+        masses run once per chunk.  On a model placed across devices the layers of each device are scored together
+        there, and their masses ([layers, n_blocks] a device) gathered on the ranking's device: no host sync."""
+        if not self.res.split:
+            return self._scout_masses(self.res, list(range(self.L)), qs, exact, scaling)
+        home, parts = self.res.device, []
+        for dev, layers in device_groups(self.res.layer_devices):
+            m = self._scout_masses(self.res.at(dev), layers, [qs[i] for i in layers], [exact[i] for i in layers], scaling)
+            parts.append((layers, m.to(home, non_blocking=home.type == "cuda")))
+        out = torch.empty(self.L, parts[0][1].shape[1], dtype=parts[0][1].dtype, device=home)
+        for layers, m in parts:
+            out[torch.tensor(layers, device=home)] = m
+        return out
+
+    def _scout_masses(self, r: Residents, ids: list[int], qs: list[torch.Tensor], exact: list[torch.Tensor], scaling: float) -> torch.Tensor:
+        """:meth:`scout_masses` of the layers ``ids`` (on r's device; qs / exact theirs, in order) -> [len(ids), n_blocks]."""
+        S, L = r.n_spans, len(ids)
         q_all = torch.stack(qs)  # [L, Hkv, M, d]
         other = torch.logsumexp(torch.matmul(q_all, torch.stack(exact).float().transpose(-1, -2)) * scaling, dim=-1)  # [L, Hkv, M]
         n_pairs, n_max = self.hkv * S, max(b.n_max for b in self.blocks)
         pairs, n_layers = self._scout_chunk(n_pairs, 4 * n_max * max(self.d, q_all.shape[2], 2 * max(b.r_max for b in self.blocks)))
-        tables = dict(self._scout_tables(n_max))
-        if self.res.pre_rope:  # every row's rotation once for the pass where it is small, else a chunk's at a time
+        tables = dict(self._scout_tables(r, n_max))
+        if r.pre_rope:  # every row's rotation once for the pass where it is small, else a chunk's at a time
             pos = tables["pos"]
             if 8 * pos.numel() * self.d <= SCOUT_CHUNK_BYTES:
-                cos, sin = rope.cos_sin(pos.flatten(), self.res.inv_freq, self.res.rope_scaling, dtype=self.res.shape.dtype)
+                cos, sin = rope.cos_sin(pos.flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype)
                 tables["cos"], tables["sin"] = cos.view(*pos.shape, -1), sin.view(*pos.shape, -1)
         out = []
         for l0 in range(0, L, n_layers):
-            layers = range(l0, min(L, l0 + n_layers))
-            lse = torch.cat([self._scout_lse(layers, q_all[l0 : layers.stop], a, min(a + pairs, n_pairs), scaling, tables)
+            stop = min(L, l0 + n_layers)
+            layers = ids[l0:stop]
+            lse = torch.cat([self._scout_lse(r, layers, q_all[l0:stop], a, min(a + pairs, n_pairs), scaling, tables)
                              for a in range(0, n_pairs, pairs)], dim=1)  # [Lc, Hkv * S, blocks per span, M]
             lse = lse.reshape(len(layers), self.hkv, -1, lse.shape[-1])  # [Lc, Hkv, S * blocks per span, M]
-            out.append(scout.block_masses(lse, other[l0 : layers.stop])[:, tables["block_row"]])
+            out.append(scout.block_masses(lse, other[l0:stop])[:, tables["block_row"]])
         return torch.cat(out)
 
     def _scout_chunk(self, n_pairs: int, per_pair: int) -> tuple[int, int]:
@@ -327,10 +366,11 @@ class BatchedStep:
         pairs = max(self.P, 64, SCOUT_CHUNK_BYTES // max(per_pair, 1))
         return pairs, max(1, pairs // max(n_pairs, 1))
 
-    def _scout_lse(self, layers: range, q: torch.Tensor, a: int, e: int, scaling: float, t: dict) -> torch.Tensor:
+    def _scout_lse(self, r: Residents, layers: list[int], q: torch.Tensor, a: int, e: int, scaling: float, t: dict) -> torch.Tensor:
         """Logsumexps of the zoom blocks of the (group, span) pairs a..e-1 (flat g * S + i) for the layers' queries
-        q [Lc, Hkv, M, d] -> [Lc, e - a, blocks per span, M]; a span's rows past its blocks give -inf."""
-        r, S = self.res, self.res.n_spans
+        q [Lc, Hkv, M, d] -> [Lc, e - a, blocks per span, M]; a span's rows past its blocks give -inf.  r: the pack on
+        the layers' device."""
+        S = r.n_spans
         n_max = t["row_block"].shape[1]
         ragged = any(self.blocks[layer].n_max != n_max for layer in layers)
         keys = (torch.zeros if ragged else torch.empty)(len(layers), e - a, n_max, self.d, device=r.device)  # [Lc, P, n_max, d]
@@ -366,17 +406,16 @@ class BatchedStep:
         sums = torch.zeros(*ex.shape[:3], t["per_span"], device=r.device).scatter_add_(3, rb.clamp_min(0).expand_as(ex), ex)
         return (sums.log() + mx).transpose(2, 3)  # [Lc, P, per_span, M]; a span's missing blocks: log 0 = -inf
 
-    def _scout_tables(self, n_max: int) -> dict:
+    def _scout_tables(self, r: Residents, n_max: int) -> dict:
         """What the scout's scoring reads and no question changes, computed once: each row's block within its span
         [S, n_max] (-1 past the span), the most blocks a span has, where each zoom block's row is in the
         [S * blocks per span] layout, and (pre-RoPE packs) each row's position [S, n_max] (re-positioned: the layout's,
-        so these follow it)."""
-        r = self.res
+        so these follow it), on r's device."""
         key = (n_max, None if r.layout is None else (id(r.layout), r.layout.p0, r.layout.room))
-        t = getattr(self, "_scout_t", None)
-        if t is not None and t["key"] == key:
-            return t
-        first, counts, per_span, row_block = self._span_blocks()
+        cached = getattr(self, "_scout_t", None)
+        if cached is not None and r.device in cached and cached[r.device]["key"] == key:
+            return cached[r.device]
+        first, counts, per_span, row_block = self._span_blocks(r)
         if r.whole_spans:
             per_span, row_block = 1, torch.where(row_block >= 0, 0, -1)
             block_row = torch.arange(r.n_spans, device=r.device)
@@ -394,14 +433,14 @@ class BatchedStep:
                 pos = r.layout.scout_positions()[blk] - r.block_off_dev[blk] + torch.arange(n_max, device=r.device).view(1, -1)
                 pos = torch.where(row_block >= 0, pos, 0)
             t["pos"] = pos
-        self._scout_t = t
+        self._scout_t = {**(cached or {}), r.device: t}
         return t
 
-    def _span_blocks(self) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    def _span_blocks(self, r: Residents) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
         """(first zoom block of each span [S], its number of blocks [S], the most blocks a span has, the block-within-
-        span of each row of each span [S, n_max] (-1 past its end)), on the device; computed once."""
-        if getattr(self, "_span_block_tables", None) is None:
-            r = self.res
+        span of each row of each span [S, n_max] (-1 past its end)), on r's device; computed once a device."""
+        tables = getattr(self, "_span_block_tables", None)
+        if tables is None:
             counts = torch.bincount(r.block_span, minlength=r.n_spans)
             first = torch.cumsum(counts, 0) - counts
             n_max = int(r.span_len.max())
@@ -412,8 +451,11 @@ class BatchedStep:
                 inside = rows < (r.block_off[b] + r.block_len[b]).view(-1, 1)
                 sp = r.block_span[b].view(-1, 1).expand_as(rows)
                 row_block[sp[inside], rows[inside]] = k
-            self._span_block_tables = (first.to(r.device), counts.to(r.device), int(counts.max()), row_block.to(r.device))
-        return self._span_block_tables
+            tables = self._span_block_tables = {None: (first, counts, int(counts.max()), row_block)}
+        if r.device not in tables:
+            first, counts, most, row_block = tables[None]
+            tables[r.device] = (first.to(r.device), counts.to(r.device), most, row_block.to(r.device))
+        return tables[r.device]
 
 
 class _tf32:

@@ -86,8 +86,9 @@ class PackFactors:
     def __iter__(self):
         return (self[i] for i in range(len(self)))
 
-    def on_device(self, i: int) -> fz.Factors:
-        return self._host[i][0] if self._host[i] is not None else self._read(i, to_host=False)
+    def on_device(self, i: int, device=None) -> fz.Factors:
+        """Layer i's factors decoded on ``device`` (default: the pack's; a layer's own on a model placed across devices)."""
+        return self._host[i][0] if self._host[i] is not None else self._read(i, to_host=False, device=device)
 
     def rank_max(self, i: int) -> int:
         """Layer i's largest rank, K and V, from the pack's rank tensors (host memory: no device read)."""
@@ -98,8 +99,9 @@ class PackFactors:
             self[i]
         return self
 
-    def _read(self, i: int, to_host: bool) -> fz.Factors:
-        return fz.stack_kv(*(read_factors(self.store, self.names, f"sekv.{kind}.{i}", device=self.device, to_host=to_host) for kind in ("fk", "fv")))
+    def _read(self, i: int, to_host: bool, device=None) -> fz.Factors:
+        dev = self.device if device is None else torch.device(device)
+        return fz.stack_kv(*(read_factors(self.store, self.names, f"sekv.{kind}.{i}", device=dev, to_host=to_host) for kind in ("fk", "fv")))
 
 
 def router_sha256(store, names: set[str]) -> str:

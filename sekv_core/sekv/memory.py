@@ -3,6 +3,10 @@
 It opens the pack (sekv/residents.py), keeps the ask's budget and stats (sekv/budget.py) and the question's
 ranking (sekv/scout.py), and hands each layer's attention to one step: the reference step on the CPU
 (sekv/cpu_step.py), the batched, sync-free step on accelerators (sekv/gpu_step.py).
+
+``device`` is one device, or one per layer (a model placed across devices, sekv_core/placement.py): each layer's
+resident KV, coarse entries, zoom buffers and factor blocks' tables are then on its layer's device (sekv/residents.py
+``Residents.at``); the ranking and the ledger on the first layer's, where each layer's few statistics are gathered.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ class ZoomMemory(KVMemory):
     def __init__(self, store, params: SekvParams, shape: ModelShape, device):
         self.params, self.shape = params, shape
         self.res = res = Residents(store, params, shape, device)
-        self.device = res.device
+        self.device = res.device  # the first layer's
+        if res.split:
+            self.layer_devices = list(res.layer_devices)
         self.ledger = ZoomLedger(budget=params.ask_budget, zoom=params.zoom, shape=shape, n_doc=res.n_doc, n_base=res.n_base,
                                  router_bytes=res.router_bytes, entry_bytes=res.entry_bytes, n_spans=res.n_spans, device=res.device)
         if params.zoom == "all":
@@ -45,11 +51,11 @@ class ZoomMemory(KVMemory):
         self.prior = None
         if prior.TENSOR in res.names and self.ranking is not None and self.ranking.kind == "scout":
             self.prior = prior.block_prior(store.get(prior.TENSOR), res.block_start, res.block_len, params.prior_pool).to(res.device)
-        #: accelerators take the batched step; the CPU the reference step (settable between asks)
-        self.batched = res.cuda
+        #: accelerators take the batched step (any layer on one); the CPU the reference step (settable between asks)
+        self.batched = any(d.type == "cuda" for d in res.layer_devices)
         self.step: CpuStep | BatchedStep | None = None
         #: the batched step's blocks, built on a second thread from now on (sekv/gpu_step.py BlockBuild)
-        self._blocks = BlockBuild(res) if res.cuda and BACKGROUND_BLOCKS else None
+        self._blocks = BlockBuild(res) if self.batched and BACKGROUND_BLOCKS else None
 
     def _step(self) -> CpuStep | BatchedStep:
         kind = BatchedStep if self.batched else CpuStep
@@ -182,7 +188,7 @@ class ZoomMemory(KVMemory):
     # -- attention ------------------------------------------------------------------------------------------
 
     def attend(self, layer, query, key, value, scaling):
-        if self.device.type != "cpu":
+        if query.device.type != "cpu":
             return self._attend(layer, query, key, value, scaling)
         # small tensor ops: one intra-op thread is faster (BLAS threading on [2, 7, 64] products costs 20x)
         with fz.single_thread():
@@ -199,7 +205,7 @@ class ZoomMemory(KVMemory):
     # -- static single-token steps (sekv_core/graphed_step.py) ----------------------------------------------
 
     def static_supported(self) -> bool:
-        return self.batched  # the batched step has no host sync
+        return self.batched and not self.res.split  # the batched step has no host sync; a captured step has one device
 
     def static_begin(self) -> None:
         self._step()

@@ -24,6 +24,7 @@ Everything is tensor ops on the step's device (no host sync): the batched step a
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -62,6 +63,14 @@ class Layout:
         #: (hidden), "document" 0
         self.coarse_mass = coarse_mass
         self.coarse_shift = 0.0
+
+    def to(self, device) -> "Layout":
+        """A copy with its tables on ``device`` (the question's position is the caller's to keep up to date)."""
+        out = copy.copy(self)
+        for name, value in vars(self).items():
+            if torch.is_tensor(value):
+                setattr(out, name, value.to(device))
+        return out
 
     def set_question_at(self, p0: int) -> None:
         self.p0 = int(p0)

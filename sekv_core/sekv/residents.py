@@ -3,17 +3,23 @@
 On the compute device: the full-resolution tokens and the coarse span entries (with the appended tokens after them,
 one growing buffer per layer), the router, the span and zoom-block tables.  On the host: the packed factors (never
 moved whole; a step fetches the rows of the blocks it expands).
+
+A model placed across devices (sekv_core/placement.py) opens the pack with one device per layer: each layer's buffer
+and router gates live on its layer's device, and the tables a step reads are on every layer device once
+(:meth:`Residents.at`: a view of the pack with its tables on that device, made once per device).  The ranking, the
+ledger and the scout's profile stay on the first layer's device (``device``).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
 import torch
 
 from ..errors import PackError
-from ..methods.base import GrowingKV, ModelShape
+from ..methods.base import GrowingKV, ModelShape, per_layer
 from . import factorize as fz
 from . import layout, lexical, positions, rope, router
 from .attention import coarse_scores, route
@@ -35,11 +41,25 @@ def apply_tau_mode(rt: router.Router, mode: str) -> router.Router:
 LAZY_FACTORS = "cuda"
 
 
+#: the tables a step reads on its layer's device: a view of the pack on another device (:meth:`Residents.at`) has
+#: its own copy of each
+DEVICE_TABLES = ("inv_freq", "cost", "block_cost", "block_span_dev", "block_len_dev", "block_off_dev", "block_start_dev",
+                 "span_len_dev", "span_start_dev", "log_n", "head_group", "scout_profile")
+
+
 class Residents:
-    """The tensors and tables of one opened pack (read-only after open, except the growing K/V buffers)."""
+    """The tensors and tables of one opened pack (read-only after open, except the growing K/V buffers).
+
+    ``device``: one device, or one per layer (a model placed across devices); ``layer_devices`` the latter,
+    ``device`` the first layer's."""
 
     def __init__(self, store, params: SekvParams, shape: ModelShape, device):
-        device = torch.device(device)
+        self.layer_devices = per_layer(device, shape.n_layers)
+        device = self.layer_devices[0] if isinstance(device, (list, tuple)) else torch.device(device)
+        #: whether the layers are on more than one device; the views of the pack on the other ones (:meth:`at`)
+        self.split = len(set(self.layer_devices)) > 1
+        self._home: Residents | None = None
+        self._views: dict = {}
         self.shape, self.device, self.cuda = shape, device, device.type == "cuda"
         cfg = layout.read_config(store)
         if (cfg["n_layers"], cfg["n_kv_heads"], cfg["head_dim"]) != (shape.n_layers, shape.n_kv_heads, shape.head_dim):
@@ -56,11 +76,12 @@ class Residents:
         keys = [torch.cat([store.get(f"sekv.full.k.{i}"), store.get(f"sekv.coarse.k.{i}")], 1).to(shape.dtype) for i in range(L)]
         vals = [torch.cat([store.get(f"sekv.full.v.{i}"), store.get(f"sekv.coarse.v.{i}")], 1).to(shape.dtype) for i in range(L)]
         self.n_base = self.n_full + self.n_spans
-        self.kv = GrowingKV.from_tensors(keys, vals, device, extra=256)
+        self.kv = GrowingKV.from_tensors(keys, vals, self.layer_devices if self.split else device, extra=256)
         self._router(store, params)
         # K and V factors stacked per layer, so one gather and one batched product serve both (V: heads Hkv..2Hkv-1);
         # on an accelerator read when the batched step first needs them, not at open (layout.PackFactors)
         self.factors = layout.PackFactors(store, self.names, L, self.span_len, shape.head_dim, device)
+        self.head_group = torch.arange(shape.n_heads, device=device) // (shape.n_heads // shape.n_kv_heads)  # query head -> its KV group
         if not (LAZY_FACTORS == "always" or (self.cuda and LAZY_FACTORS == "cuda")):
             self.factors.load_all()
         isz = torch.empty(0, dtype=shape.dtype).element_size()
@@ -73,7 +94,50 @@ class Residents:
         self.lexicon = lexical.Lexicon(store.get("sekv.lex.terms"), self.block_start, self.block_len) if "sekv.lex.terms" in self.names and self.n_blocks else None
         self.scout_profile = self._profile(store, params.block_unit)
         #: re-positioned attention (sekv/positions.py): set by reposition(), the first time an ask needs it
-        self.layout: positions.Layout | None = None
+        self.layout = None
+
+    # -- the pack on each layer's device --------------------------------------------------------------------
+
+    def at(self, device) -> "Residents":
+        """The pack as a step on ``device`` reads it: this object on its own device; elsewhere a view, made once, that
+        shares the buffers, the factors and the layout's state and has its own copy of the DEVICE_TABLES there."""
+        home = self._home or self
+        device = torch.device(device)
+        if device == home.device:
+            return home
+        view = home._views.get(device)
+        if view is None:
+            view = copy.copy(home)
+            view.device, view.cuda, view._home, view._layout_on = device, device.type == "cuda", home, None
+            for name in DEVICE_TABLES:
+                if hasattr(home, name):
+                    setattr(view, name, getattr(home, name).to(device))
+            home._views[device] = view
+        return view
+
+    def at_layer(self, layer: int) -> "Residents":
+        """The pack on a layer's device (:meth:`at`); itself where every layer shares one."""
+        return self.at(self.layer_devices[layer]) if self.split else self
+
+    @property
+    def layout(self) -> positions.Layout | None:
+        """Re-positioned attention's layout (None: not re-positioned); a view's is a copy on its device, with the
+        question's position as the pack's."""
+        home = self._home
+        if home is None:
+            return self._layout
+        lay = home._layout
+        if lay is None:
+            return None
+        if self._layout_on is None or self._layout_on[0] is not lay:
+            self._layout_on = (lay, lay.to(self.device))
+        mine = self._layout_on[1]
+        mine.p0, mine.room, mine.coarse_shift = lay.p0, lay.room, lay.coarse_shift
+        return mine
+
+    @layout.setter
+    def layout(self, value) -> None:
+        self._layout = value
 
     def reposition(self) -> None:
         """From now on every forward lays the resident keys out at positions of its own (sekv/positions.py): the
@@ -90,9 +154,12 @@ class Residents:
                                        self.block_span, self.shape.n_kv_heads, self.device, n_doc=self.n_doc,
                                        spread=self.reposition_kind == "spread", coarse_mass=self.coarse_mass)
         cos, sin = rope.cos_sin(self.layout.base_doc_pos, self.inv_freq, self.rope_scaling, dtype=self.shape.dtype)
+        on = {self.device: (cos, sin)}
         for layer in range(self.shape.n_layers):
             k = self.kv.k[layer][0, :, : self.n_base]
-            k.copy_(rope.undo(k.float(), cos, sin).to(k.dtype))
+            if k.device not in on:
+                on[k.device] = (cos.to(k.device), sin.to(k.device))
+            k.copy_(rope.undo(k.float(), *on[k.device]).to(k.dtype))
 
     def _spans(self, store, unit: int) -> None:
         """Spans and zoom blocks (sekv/segment.py zoom_blocks; unit 0: whole spans), on the host and the device."""
@@ -128,6 +195,13 @@ class Residents:
         # document, like the model's own projections), so only the untrained, per-document PCA W is counted
         per_doc = (self.inv_norm, self.logit_tau, self.log_n) + ((self.w,) if rt.source == "pack" else ())
         self.router_bytes = sum(t.numel() * t.element_size() for t in per_doc)
+        #: each layer's (W, 1 / norms, logit thresholds) on its device: views of the stacked ones on one device; on
+        #: several, the stacked ones stay on the host
+        if self.split:
+            self.gates = [tuple(t[i].to(self.layer_devices[i]) for t in (self.w, self.inv_norm, self.logit_tau)) for i in range(L)]
+            self.w, self.inv_norm, self.logit_tau = self.w.cpu(), self.inv_norm.cpu(), self.logit_tau.cpu()
+        else:
+            self.gates = [(self.w[i], self.inv_norm[i], self.logit_tau[i]) for i in range(L)]
 
     def _profile(self, store, unit: int) -> torch.Tensor:
         """The document profile per zoom block: the pack's block profile when it was made for this unit, else the
@@ -170,8 +244,9 @@ class Residents:
         """The per-layer router (SPEC §2.2-2.4): (head candidates [H, S], group priority [Hkv, S]) for this forward.
         base: the layer's rotated base keys where they are re-positioned."""
         kbar = (self.kv.k[layer][0] if base is None else base)[:, self.n_full : self.n_base]
-        logits = router.gate_logits(query[0], self.w[layer], kbar, self.inv_norm[layer], self.log_n)
-        return route(logits, self.logit_tau[layer], self.shape.n_kv_heads)
+        w, inv_norm, logit_tau = self.gates[layer]
+        logits = router.gate_logits(query[0], w, kbar, inv_norm, self.log_n)
+        return route(logits, logit_tau, self.shape.n_kv_heads)
 
     def exact_keys(self, layer: int, base: torch.Tensor | None = None) -> torch.Tensor:
         """A layer's keys at full resolution: the document's full-resolution tokens and the appended ones [Hkv, F+A, d]

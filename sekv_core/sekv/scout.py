@@ -144,6 +144,17 @@ class Ranking:
             self.prio.copy_(torch.zeros_like(self.prio) if allowed is None else torch.where(allowed, 0.0, float("-inf")))
             self.version += 1
 
+    def on(self, device) -> torch.Tensor:
+        """The priorities on ``device`` (a layer's, on a model placed across devices): a copy made once per ranking."""
+        device, p = torch.device(device), self.prio
+        if device.type == p.device.type and device.index in (None, p.device.index):
+            return p
+        copies = self.__dict__.setdefault("_copies", {})
+        held = copies.get(device)
+        if held is None or held[0] != self.version:
+            held = copies[device] = (self.version, p.to(device))
+        return held[1]
+
     def ranks(self) -> bool:
         """Whether this forward keeps blocks in the ranking's order."""
         return self.ready and not self.scouting
@@ -161,7 +172,8 @@ class Ranking:
         of the rebuilt blocks."""
         other = torch.logsumexp(torch.bmm(q, exact_keys.float().transpose(1, 2)) * scaling, dim=-1)  # [Hkv, M]
         lse, grp, sid = block_lse
-        self._sum += zscore(layer_mass(lse, grp, sid, other, self.prio.numel()))
+        mass = zscore(layer_mass(lse, grp, sid, other, self.prio.numel()))
+        self._sum += mass if mass.device == self._sum.device else mass.to(self._sum.device)
 
     def add_masses(self, masses: torch.Tensor) -> None:
         """Add the z-scored masses of several layers at once: masses [L, n_blocks] (:func:`block_masses`)."""
