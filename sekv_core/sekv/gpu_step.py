@@ -412,7 +412,9 @@ class BatchedStep:
                 inside = rows < (r.block_off[b] + r.block_len[b]).view(-1, 1)
                 sp = r.block_span[b].view(-1, 1).expand_as(rows)
                 row_block[sp[inside], rows[inside]] = k
-            self._span_block_tables = (first.to(r.device), counts.to(r.device), int(counts.max()), row_block.to(r.device))
+            # made on the host; sent without a stream sync (pageable memory is staged at once)
+            up = lambda x: x.to(r.device, non_blocking=True)  # noqa: E731
+            self._span_block_tables = (up(first), up(counts), int(counts.max()), up(row_block))
         return self._span_block_tables
 
 

@@ -152,6 +152,11 @@ class ZoomMemory(KVMemory):
         if self.ranking is None or self.ranking.kind != "scout" or self.res.n_spans == 0:
             return
         base = self.n_tokens()
+        lex = None
+        if self.params.lexical_weight > 0 and question and self.res.lexicon is not None:
+            # scored on the host and sent before the forward: a host tensor's copy waits for no device work (a
+            # blocking copy after the forward would wait for all of it)
+            lex = self.res.lexicon.scores(question).to(self.device, non_blocking=True)
         self.ranking.begin_pass()
         self._scouted = []
         try:
@@ -159,9 +164,6 @@ class ZoomMemory(KVMemory):
             if self._scouted:  # the batched step scores every layer's blocks at once, after the forward
                 qs, exact, scaling = zip(*self._scouted)
                 self.ranking.add_masses(self.step.scout_masses(list(qs), list(exact), scaling[0]))
-            lex = None
-            if self.params.lexical_weight > 0 and question and self.res.lexicon is not None:
-                lex = self.res.lexicon.scores(question).to(self.device)
             self.ranking.finish_pass(self.res.scout_profile, self.params.profile_weight, lex, self.params.lexical_weight)
             prior.add_to(self.ranking.prio, self.prior, self.params.prior_weight)
         finally:

@@ -1,0 +1,124 @@
+"""Host syncs between a question's tokens and its first answer token on the batched (CUDA) step.
+
+Every host sync on the way (a scalar read, a data-dependent shape, a blocking copy from the host) stalls the host
+until the device has run everything queued, so the next kernels' launches stop overlapping the device's work.
+The scout pass, the fixed sets' fill and the answer's first forward make none: on the CPU, every call that would
+wait on CUDA is listed by benchmarks/ttft_ops.py's SyncTrace; on CUDA, torch's sync debug mode counts them.
+"""
+
+from __future__ import annotations
+
+import traceback
+import warnings
+
+import pytest
+import torch
+
+from benchmarks.ttft_ops import SyncTrace
+from sekv_core import methods, runtime
+
+from test_sekv_method import _setup, tiny
+
+QUESTION = [5, 17, 42, 99, 7, 250, 31, 8]
+
+
+def test_sync_trace_names_what_waits_and_nothing_else():
+    """The tracer's own property: each kind of call that waits for the device is listed once per call, by the line
+    that made it; the sync-free forms of the same operations are not."""
+    x = torch.arange(12.0).view(3, 4)
+    m = x > 5
+    with SyncTrace() as t:
+        x.sum().item()  # a scalar read
+        bool((x > 0).all())
+        torch.nonzero(m)  # data-dependent shapes
+        x[m]
+        torch.repeat_interleave(torch.tensor([1, 2, 3]), torch.tensor([1, 1, 2]))
+        x.tolist()
+        x.to("cpu")  # a blocking copy where x is on the host and the target the device (a "maybe")
+        torch.tensor([1.0], device="cpu")
+    kinds = sorted(s.split(" @ ")[0] for s in t.sites.elements())
+    assert kinds == sorted(["_local_scalar_dense", "is_nonzero", "nonzero", "index (boolean mask)", "repeat_interleave (no output_size)",
+                            "tolist", "maybe: to(device), blocking", "torch.tensor(device=)", "_local_scalar_dense"]) or kinds == sorted(
+        ["_local_scalar_dense", "_local_scalar_dense", "nonzero", "index (boolean mask)", "repeat_interleave (no output_size)", "tolist",
+         "maybe: to(device), blocking", "torch.tensor(device=)"]), kinds  # bool() of a one-element tensor: is_nonzero or a scalar read
+    with SyncTrace() as t:
+        x.index_select(0, torch.tensor([0, 2]))
+        torch.where(m, x, 0.0)
+        x.repeat_interleave(2, 0)  # int repeats: the size is known
+        torch.repeat_interleave(torch.tensor([1, 2, 3]), torch.tensor([1, 1, 2]), output_size=4)
+        x.to("cpu", non_blocking=True)
+        torch.topk(x.flatten(), 3)
+    assert not t.sites, t.sites
+
+
+def _scout_and_first_logits(model, mem, q) -> torch.Tensor:
+    """A question's scout pass and its answer's first forward, to the first token's id on the device."""
+    mem.truncate(mem.res.n_doc)
+    mem.prepare_question(lambda: runtime.forward_hidden(model, q, mem.n_tokens(), mem))
+    hidden = runtime.forward_hidden(model, q, mem.n_tokens(), mem)
+    with torch.inference_mode():
+        return model.get_output_embeddings()(hidden[:, -1]).argmax(-1)
+
+
+def test_scout_and_first_forward_make_no_sync_on_the_batched_step():
+    """The batched step run on the CPU: the second question's scout pass and first forward make no call that would
+    wait on CUDA (the transformers mask code's packed-sequence check included: sekv registers no mask function); the
+    first question only reads the host's span tables once (made on the host, sent without a sync)."""
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.3, min_span=10, window=16)
+    mem.batched = True
+    q = torch.tensor([QUESTION])
+    mem._step()  # the factor blocks (CUDA: built on a second thread from the open)
+    with SyncTrace() as first:
+        a = _scout_and_first_logits(model, mem, q)
+    with SyncTrace() as second:
+        b = _scout_and_first_logits(model, mem, q)
+    assert torch.equal(a, b)
+    # ".to(device)" of tensors that are on the device there (the rotary tables) are no copies: the CUDA test counts
+    assert not second.definite(), second.sites
+    assert all("_span_blocks" in s for s in first.definite()), first.sites  # host tensors: the tables of the pack's spans
+
+
+def _cuda_syncs(fn) -> list[str]:
+    """Run fn under torch's sync debug mode ("warn"): the stack of each host sync it made."""
+    seen: list[str] = []
+    show = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message).lower():
+            frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
+            here = [f for f in frames if "sekv_core" in f.filename] or frames
+            seen.append(" <- ".join(f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}" for f in here[-3:][::-1]))
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = show
+    return seen
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("routing", ["scout", "per_layer"])
+def test_cuda_scout_and_first_forward_read_nothing_back(routing):
+    """On CUDA, a question's scout pass, the fixed sets' fill (or the per-layer routing) and the answer's first forward
+    to its first token's logits make no host sync, on the first question of an opened pack (its factor blocks built)
+    and on the next; the answer's first token is the CPU's batched step's."""
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.3, min_span=10, window=16, routing=routing)
+    gmodel = tiny("qwen2").cuda()
+    gmodel.load_state_dict(model.state_dict())
+    runtime.install(gmodel)
+    mem.batched = True
+    want = _scout_and_first_logits(model, mem, torch.tensor([QUESTION]))
+    m = methods.get("sekv").open(store, p, res.shape, "cuda")
+    m._step()  # joins the factor blocks' build (its own syncs are counted in tests/test_sekv_decode.py)
+    q = torch.tensor([QUESTION], device="cuda")
+    got = {}
+    for ask in ("first", "second"):
+        syncs = _cuda_syncs(lambda: got.__setitem__(ask, _scout_and_first_logits(gmodel, m, q)))
+        assert not syncs, f"{ask} question: {len(syncs)} host syncs:\n" + "\n".join(syncs)
+    assert got["first"].item() == got["second"].item() == want.item()
