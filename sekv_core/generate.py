@@ -136,12 +136,13 @@ class _Marks:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.current_stream(device) if self.cuda else None  # the input device's (the question's)
         self.points: list = []
 
     def mark(self) -> None:
         if self.cuda:
             e = torch.cuda.Event(enable_timing=True)
-            e.record()
+            e.record(self.stream)
             self.points.append(e)
         else:
             self.points.append(time.perf_counter())

@@ -16,6 +16,8 @@ import torch
 
 from benchmarks.ttft_ops import SyncTrace
 from sekv_core import methods, runtime
+from sekv_core.methods.base import GrowingKV
+from sekv_core.methods.full import FullMemory
 
 from test_sekv_method import _setup, tiny
 
@@ -122,3 +124,27 @@ def test_cuda_scout_and_first_forward_read_nothing_back(routing):
         syncs = _cuda_syncs(lambda: got.__setitem__(ask, _scout_and_first_logits(gmodel, m, q)))
         assert not syncs, f"{ask} question: {len(syncs)} host syncs:\n" + "\n".join(syncs)
     assert got["first"].item() == got["second"].item() == want.item()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_ttft_parts_add_up(device):
+    """DecodeStats splits the TTFT into the scout pass and the first forward (CUDA: events on the stream): both
+    ran, and together they fit in the TTFT (the rest is the first token's read and the marks themselves); a memory
+    with no scout pass (full) has next to nothing in it."""
+    from sekv_core.generate import generate
+
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.3, min_span=10, window=16)
+    if device == "cuda":
+        model = model.cuda()
+        runtime.install(model)
+        mem = methods.get("sekv").open(store, p, res.shape, "cuda")
+        full = FullMemory(GrowingKV.from_tensors([k.cuda() for k in res.keys], [v.cuda() for v in res.values], "cuda"), res.shape)
+    mem.batched = True
+    for m, scouted in ((mem, True), (full, False)):
+        _, st = generate(model, m, QUESTION, max_new_tokens=3, stop_ids=set())
+        assert st.first_forward_s > 0 and st.scout_s >= 0
+        assert st.scout_s + st.first_forward_s <= st.ttft_s * 1.01 + 1e-3, st
+        if scouted:
+            assert st.scout_s > 0.1 * st.first_forward_s  # a second forward of the question, and its scoring
+        else:
+            assert st.scout_s < 0.1 * st.first_forward_s
