@@ -14,7 +14,7 @@ from . import factorize as fz
 from . import prior
 from .budget import ZoomLedger
 from .cpu_step import CpuStep
-from .gpu_step import BatchedStep, BlockBuild
+from .gpu_step import BatchedStep, BlockBuild, take_blocks
 from .params import SekvParams
 from .residents import Residents
 from .scout import Ranking
@@ -48,14 +48,23 @@ class ZoomMemory(KVMemory):
         #: accelerators take the batched step; the CPU the reference step (settable between asks)
         self.batched = res.cuda
         self.step: CpuStep | BatchedStep | None = None
-        #: the batched step's blocks, built on a second thread from now on (sekv/gpu_step.py BlockBuild)
-        self._blocks = BlockBuild(res) if res.cuda and BACKGROUND_BLOCKS else None
+        #: the batched step's blocks, built on a second thread from now on (sekv/gpu_step.py BlockBuild), or taken up
+        #: from the build started for this pack before the model loaded (gpu_step.start_blocks)
+        self._blocks, self._early = None, False
+        if res.cuda and BACKGROUND_BLOCKS:
+            self._blocks = take_blocks(store, res.device)
+            self._early = self._blocks is not None
+            if self._blocks is None:
+                self._blocks = BlockBuild(res)
 
     def _step(self) -> CpuStep | BatchedStep:
         kind = BatchedStep if self.batched else CpuStep
         if type(self.step) is not kind:
             if kind is BatchedStep:
-                blocks, self._blocks = (self._blocks.result() if self._blocks is not None else None), None
+                b = self._blocks
+                # an early build that failed is built again here from the opened pack (which meets a real error anew)
+                blocks = None if b is None else b.result_or_none() if self._early else b.result()
+                self._blocks = None
                 self.step = BatchedStep(self.res, self.ledger, self.ranking, blocks)
             else:
                 self.step = CpuStep(self.res, self.ledger, self.ranking)

@@ -148,3 +148,78 @@ def test_ttft_parts_add_up(device):
             assert st.scout_s > 0.1 * st.first_forward_s  # a second forward of the question, and its scoring
         else:
             assert st.scout_s < 0.1 * st.first_forward_s
+
+
+# -- the factor blocks started before the model loads (sekv/gpu_step.py start_blocks) ----------------------------
+
+
+def _batched(store, p, res, device="cpu"):
+    m = methods.get("sekv").open(store, p, res.shape, device)
+    m.batched = True
+    return m
+
+
+def _first_logits(model, m, q):
+    return runtime.forward_logits(model, q, m.n_tokens(), m, last_only=False)
+
+
+def test_blocks_built_from_the_pack_alone_are_the_opened_packs():
+    """The build start_blocks runs (the pack's checks, then its factors read from the store with the manifest's shape)
+    gives the blocks, and so the logits, of the opened pack's own build; an early build that failed is made again
+    in the first forward, from the opened pack."""
+    from sekv_core.errors import PackError
+    from sekv_core.sekv import gpu_step, layout
+
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.5, min_span=10)
+    plain, early, failed = (_batched(store, p, res) for _ in range(3))
+    n = plain.res.n_doc
+
+    def source():
+        layout.validate(store, res.shape, n)
+        return gpu_step._Source(store, res.shape, torch.device("cpu"))
+
+    early._blocks, early._early = gpu_step.BlockBuild(source), True
+
+    def broken():
+        raise PackError("checksum mismatch")
+
+    failed._blocks, failed._early = gpu_step.BlockBuild(broken), True
+    q = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(3))
+    want = _first_logits(model, q=q, m=plain)
+    for m in (early, failed):
+        assert torch.equal(_first_logits(model, q=q, m=m), want)
+    for a, b in zip(plain.step.blocks, early.step.blocks):
+        assert torch.equal(a.words, b.words) and torch.equal(a.used, b.used) and (a.stride, a.n_max, a.r_max) == (b.stride, b.n_max, b.r_max)
+
+
+def test_start_blocks_only_for_an_accelerator_and_taken_once_by_its_store():
+    from sekv_core.sekv import gpu_step
+
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=300, budget=0.5, min_span=10)
+    gpu_step.start_blocks(store, res.shape, 300, "cpu")  # the CPU opens its factors itself
+    assert gpu_step.take_blocks(store, "cpu") is None
+    build = gpu_step.BlockBuild(lambda: gpu_step._Source(store, res.shape, torch.device("cpu")))
+    gpu_step._EARLY[id(store)] = (store, torch.device("cpu"), build)
+    assert gpu_step.take_blocks(object(), "cpu") is None and gpu_step.take_blocks(store, "cpu") is build
+    assert gpu_step.take_blocks(store, "cpu") is None  # once
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_memory_takes_up_the_blocks_started_before_it_opened():
+    """start_blocks on CUDA, then the open: the memory takes that build up (no second build) and answers as a memory
+    that built its own."""
+    from sekv_core.sekv import gpu_step
+
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.5, min_span=10)
+    gmodel = tiny("qwen2").cuda()
+    gmodel.load_state_dict(model.state_dict())
+    runtime.install(gmodel)
+    own = _batched(store, p, res, "cuda")
+    assert not own._early
+    gpu_step.start_blocks(store, res.shape, own.res.n_doc, "cuda")
+    early = _batched(store, p, res, "cuda")
+    assert early._early and id(store) not in gpu_step._EARLY
+    q = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(3)).cuda()
+    assert torch.equal(_first_logits(gmodel, early, q), _first_logits(gmodel, own, q))
+    for a, b in zip(own.step.blocks, early.step.blocks):
+        assert torch.equal(a.words, b.words)
