@@ -115,10 +115,11 @@ def _install() -> None:
     import sekv_core.sekv.gpu_step as gpu_step
 
     # the batched step's factor blocks (each layer's factors decoded and laid out in pinned memory): built once, on
-    # a second thread from the pack's open (sekv_step_build, that thread's seconds), and what the first forward
-    # still waits for them (sekv_blocks_wait, inside the first question's scout pass)
+    # a second thread from the pack's read, before the model loads (sekv_step_build, that thread's seconds), and what
+    # the first forward still waits for them (sekv_blocks_wait, inside the first question's scout pass)
     wrap(gpu_step, "build_blocks", "sekv_step_build")
     wrap(gpu_step.BlockBuild, "result", "sekv_blocks_wait")
+    wrap(gpu_step.BlockBuild, "result_or_none", "sekv_blocks_wait")  # the build started before the model load
     if os.environ.get("SEKV_PROBE_FIXED_SDPA"):  # how sekv's fixed sets call SDPA (sekv/fixed_set.py SDPA_LAYOUT)
         import sekv_core.sekv.fixed_set as fixed_set
 
