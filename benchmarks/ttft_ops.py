@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             return SyncTrace() if a.syncs else torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=stack)
 
         def summary(w) -> dict:
-            return {"syncs": sum(w.sites.values()), "sites": w.sites.most_common()} if a.syncs else count(w)
+            return {"syncs": sum(w.definite().values()), "maybe": sum(w.sites.values()) - sum(w.definite().values()),
+                    "sites": w.sites.most_common()} if a.syncs else count(w)
 
         def timed_prep(forward, question=None):
             with watch() as p:
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append({"ask": k + 1, "answer": ans.text, "phases": phases})
         for name, ph in phases.items():
             if a.syncs:
-                print(f"ask {k + 1} {name:14s} calls that sync on CUDA {ph['syncs']:5d}  {ph['s']:.3f} s")
+                print(f"ask {k + 1} {name:14s} calls that sync on CUDA {ph['syncs']:5d} (and {ph['maybe']} maybe)  {ph['s']:.3f} s")
                 for site, n in ph["sites"]:
                     print(f"    {n:5d}  {site}")
             else:
