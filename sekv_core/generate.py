@@ -131,7 +131,7 @@ def generate(
 
 
 class _Marks:
-    """Points on the way to the first token: CUDA events on the current stream (read once the first token has
+    """Points on the way to the first token: CUDA events on the input device's stream (read once the first token has
     synchronised: no sync of their own), else the host's clock."""
 
     def __init__(self, device: torch.device):

@@ -57,7 +57,8 @@ def build_blocks(res: Residents) -> list[fb.Blocks]:
 class BlockBuild:
     """:func:`build_blocks` on a second thread, started when the pack opens, so that the first question finds the
     blocks made (or waits only for the rest) instead of building them inside its scout pass: in `sekv chat` they
-    are made while the question is typed, in `sekv ask` while the question is prepared.  ``result()`` joins; an
+    are made while the question is typed, in `sekv ask` while the question is prepared (:func:`start_blocks`: from
+    the pack's read, while the model loads).  ``result()`` joins; an
     error of the build (a damaged pack) is raised there, in the first forward, where it was raised before."""
 
     def __init__(self, res):
@@ -138,12 +139,6 @@ def take_blocks(store, device) -> "BlockBuild | None":
         got[2].result_or_none()  # a build for another device: let it end, unused
         return None
     return got[2]
-
-
-def drop_blocks(store) -> None:
-    """Forget a build start_blocks started for this store (the pack was not opened after all: another method, an
-    error); it ends on its thread, unused."""
-    _EARLY.pop(id(store), None)
 
 
 class BatchedStep:
