@@ -220,6 +220,7 @@ def test_cuda_memory_takes_up_the_blocks_started_before_it_opened():
     early = _batched(store, p, res, "cuda")
     assert early._early and id(store) not in gpu_step._EARLY
     q = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(3)).cuda()
-    assert torch.equal(_first_logits(gmodel, early, q), _first_logits(gmodel, own, q))
+    a, b = _first_logits(gmodel, early, q), _first_logits(gmodel, own, q)
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
     for a, b in zip(own.step.blocks, early.step.blocks):
         assert torch.equal(a.words, b.words)
