@@ -13,6 +13,11 @@ scout pass, the first token and the decode.
     python -m benchmarks.gpu_cli run --docs bench_out/gpu_cli/docs --model qwen2.5-0.5b --methods full,sekv \\
         --chat 3 --out bench_out/gpu_cli/result.json
 
+Each question's TTFT is split into the scout pass, the factor blocks' wait inside it, the first forward and the
+CUDA-graph captures after the first token.  `--profile DIR` also runs a two-question chat per pack under
+torch.profiler (a process of its own: the other numbers stay unprofiled) and appends a compact table per question
+to DIR/profile.txt.
+
 CPU smoke test (minutes): `--model smollm2-135m --lengths 2048 --device cpu`.  On the CPU the GPU columns are 0.
 `found` says whether the answer contains the needle's number.
 """
