@@ -19,8 +19,9 @@ timers, synchronising CUDA at their ends, and writes one JSON record to $SEKV_PR
 $SEKV_PROBE_FIXED_SDPA=gqa|packed|math: how sekv's fixed sets make their SDPA call (sekv/fixed_set.py
 SDPA_LAYOUT; default gqa), to compare the kernels the device picks.  $SEKV_PROBE_PROFILE=PATH: the whole CLI under cProfile (PATH.prof, and PATH.txt: the top functions by
 cumulative time).  $SEKV_PROBE_TORCH=PATH: each ask under torch.profiler (PATH.txt: operators by CUDA and by CPU
-time).  Timers synchronise the device, so a probed run is a little slower than a plain one; gpu_cli.py can run
-both.
+time).  $SEKV_PROBE_TORCH_TABLE=FILE: the first $SEKV_PROBE_TORCH_ASKS (default 2) asks under torch.profiler, a
+compact table each appended to FILE (:func:`compact_table`), headed by $SEKV_PROBE_LABEL.  Timers synchronise the
+device, so a probed run is a little slower than a plain one; gpu_cli.py can run both.
 """
 
 from __future__ import annotations
@@ -114,10 +115,11 @@ def _install() -> None:
     import sekv_core.sekv.gpu_step as gpu_step
 
     # the batched step's factor blocks (each layer's factors decoded and laid out in pinned memory): built once, on
-    # a second thread from the pack's open (sekv_step_build, that thread's seconds), and what the first forward
-    # still waits for them (sekv_blocks_wait, inside the first question's scout pass)
+    # a second thread from the pack's read, before the model loads (sekv_step_build, that thread's seconds), and what
+    # the first forward still waits for them (sekv_blocks_wait, inside the first question's scout pass)
     wrap(gpu_step, "build_blocks", "sekv_step_build")
     wrap(gpu_step.BlockBuild, "result", "sekv_blocks_wait")
+    wrap(gpu_step.BlockBuild, "result_or_none", "sekv_blocks_wait")  # the build started before the model load
     if os.environ.get("SEKV_PROBE_FIXED_SDPA"):  # how sekv's fixed sets call SDPA (sekv/fixed_set.py SDPA_LAYOUT)
         import sekv_core.sekv.fixed_set as fixed_set
 
@@ -143,7 +145,8 @@ def _install() -> None:
             def scout(*a, **k):
                 t0 = time.perf_counter()
                 try:
-                    return prep(*a, **k)
+                    with _label("sekv.scout"):
+                        return prep(*a, **k)
                 finally:
                     _sync()
                     _add("scout", time.perf_counter() - t0)
@@ -157,11 +160,26 @@ def _install() -> None:
     ask_raw = session.Session.ask
     torch_prof = os.environ.get("SEKV_PROBE_TORCH")
 
+    table = os.environ.get("SEKV_PROBE_TORCH_TABLE")
+    table_asks = int(os.environ.get("SEKV_PROBE_TORCH_ASKS", "2"))
+
     def ask_timed(self, question, **kwargs):
         caps0 = PHASES.get("graph_capture", {}).get("n", 0)
-        scout0 = PHASES.get("scout", {}).get("s", 0.0)
+        before = {k: PHASES.get(k, {}).get("s", 0.0) for k in ("scout", "sekv_blocks_wait", "graph_capture")}
         t = time.perf_counter()
-        if torch_prof:
+        if table and len(ASKS) < table_asks:
+            import torch.profiler as tp
+
+            acts = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if _cuda() else [])
+            with tp.profile(activities=acts) as prof:
+                ans = ask_raw(self, question, **kwargs)
+            st = ans.stats
+            title = (f"{os.environ.get('SEKV_PROBE_LABEL', '')} question {len(ASKS) + 1}: TTFT {st.ttft_s:.3f} s (scout {st.scout_s:.3f}, "
+                     f"first forward {st.first_forward_s:.3f}), {st.generated_tokens} tokens, capture {st.capture_s:.3f} s, "
+                     f"ask {time.perf_counter() - t:.3f} s; all under the profiler")
+            with open(table, "a") as f:
+                f.write(compact_table(prof, title) + "\n")
+        elif torch_prof:
             import torch.profiler as tp
 
             acts = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if _cuda() else [])
@@ -182,7 +200,9 @@ def _install() -> None:
                 "question": question,
                 "answer": ans.text,
                 "wall_s": wall,
-                "scout_s": PHASES.get("scout", {}).get("s", 0.0) - scout0,
+                "scout_s": PHASES.get("scout", {}).get("s", 0.0) - before["scout"],
+                "blocks_wait_s": PHASES.get("sekv_blocks_wait", {}).get("s", 0.0) - before["sekv_blocks_wait"],  # inside scout_s
+                "capture_s": PHASES.get("graph_capture", {}).get("s", 0.0) - before["graph_capture"],
                 "captures": PHASES.get("graph_capture", {}).get("n", 0) - caps0,
                 "stats": st,
                 "extra": {k: v for k, v in extra.items() if isinstance(v, (int, float, str, bool))},
@@ -191,6 +211,50 @@ def _install() -> None:
         return ans
 
     session.Session.ask = ask_timed
+
+
+def _label(name: str):
+    """A torch.profiler range (a row of the tables) where torch is imported, else nothing."""
+    import contextlib
+
+    torch = sys.modules.get("torch")
+    return torch.profiler.record_function(name) if torch is not None else contextlib.nullcontext()
+
+
+#: runtime calls counted in the compact table's summary: launches, and the ones that make the host wait
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch")
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaStreamWaitEvent")
+
+
+def compact_table(prof, title: str, rows: int = 20) -> str:
+    """One profiled ask in a few lines: device and host totals, kernel launches and host waits (the runtime calls
+    that block), the top ``rows`` operators and kernels by self device time (calls, device ms, host ms), and the
+    runtime calls by host time (allocations, module loads and syncs show there)."""
+    ev = prof.key_averages()
+
+    def dev(e, self_=True):
+        for k in (("self_device_time_total", "self_cuda_time_total") if self_ else ("device_time_total", "cuda_time_total")):
+            v = getattr(e, k, None)
+            if v is not None:
+                return float(v) / 1e3
+        return 0.0
+
+    runtime = [e for e in ev if e.key.startswith(("cuda", "cu")) and not e.key.startswith("cudnn")]
+    launches = sum(e.count for e in runtime if e.key in LAUNCHES)
+    waits = {e.key: e.count for e in runtime if e.key in WAITS}
+    on_device = sum(dev(e) for e in ev)
+    out = [f"== {title}",
+           f"device time (self, all rows) {on_device:.1f} ms; host time (self, all rows) {sum(e.self_cpu_time_total for e in ev) / 1e3:.1f} ms; "
+           f"kernel launches {launches}; host waits {waits or 'none'}"]
+    key = dev if on_device > 0 else (lambda e: e.self_cpu_time_total)  # no device: the host's own time
+    out.append(f"{'calls':>7} {'dev ms':>9} {'host ms':>9}  operator / kernel (top {rows} by self {'device' if on_device > 0 else 'host'} time)")
+    for e in sorted((e for e in ev if not e.key.startswith("sekv.")), key=key, reverse=True)[:rows]:
+        out.append(f"{e.count:7d} {dev(e):9.2f} {e.cpu_time_total / 1e3:9.2f}  {e.key[:110]}")
+    out.append(f"{'calls':>7} {'':>9} {'host ms':>9}  runtime calls and ranges by host time")
+    marks = [e for e in ev if e.key.startswith("sekv.")]
+    for e in sorted(runtime + marks, key=lambda e: e.cpu_time_total, reverse=True)[:12]:
+        out.append(f"{e.count:7d} {'':>9} {e.cpu_time_total / 1e3:9.2f}  {e.key[:110]}")
+    return "\n".join(out)
 
 
 def _cuda() -> bool:

@@ -13,6 +13,11 @@ scout pass, the first token and the decode.
     python -m benchmarks.gpu_cli run --docs bench_out/gpu_cli/docs --model qwen2.5-0.5b --methods full,sekv \\
         --chat 3 --out bench_out/gpu_cli/result.json
 
+Each question's TTFT is split into the scout pass, the factor blocks' wait inside it, the first forward and the
+CUDA-graph captures after the first token.  `--profile DIR` also runs a two-question chat per pack under
+torch.profiler (a process of its own: the other numbers stay unprofiled) and appends a compact table per question
+to DIR/profile.txt.
+
 CPU smoke test (minutes): `--model smollm2-135m --lengths 2048 --device cpu`.  On the CPU the GPU columns are 0.
 `found` says whether the answer contains the needle's number.
 """
@@ -150,8 +155,8 @@ def bench_doc(doc: dict, docs_dir: Path, method: str, a: argparse.Namespace, wor
     rec["pack_bytes"] = pack.stat().st_size
     q = doc["questions"][0]
     env = {"SEKV_PROBE_CUDA_INIT": "1"}  # CUDA's start-up timed on its own, not inside the model load
-    if a.profile:
-        prof = Path(a.profile)
+    if a.cprofile:
+        prof = Path(a.cprofile)
         prof.mkdir(parents=True, exist_ok=True)
         env["SEKV_PROBE_PROFILE"] = str(prof / f"ask_{doc['name']}_{method}")
         if a.torch_profile:
@@ -169,6 +174,16 @@ def bench_doc(doc: dict, docs_dir: Path, method: str, a: argparse.Namespace, wor
         asks = (chat.get("probe") or {}).get("asks", [])
         chat["found"] = [_found(x["answer"], qq["expected"]) for x, qq in zip(asks, qs)]
         rec["chat"] = chat
+    if a.profile and (not a.profile_lengths or doc["length"] in a.profile_lengths):
+        # a process of its own, so the timings above are unprofiled: a two-question chat, each question under
+        # torch.profiler, its compact table appended to DIR/profile.txt (cli_probe.compact_table)
+        Path(a.profile).mkdir(parents=True, exist_ok=True)
+        qs = (doc["questions"] * 2)[:2]
+        env_p = {"SEKV_PROBE_CUDA_INIT": "1", "SEKV_PROBE_TORCH_TABLE": str(Path(a.profile) / "profile.txt"), "SEKV_PROBE_TORCH_ASKS": "2",
+                 "SEKV_PROBE_LABEL": f"{doc['name']} ({doc['tokens']} tokens) {method}"}
+        n = str(min(a.max_new_tokens, 4))  # the TTFT is what it is for: a short answer keeps the profiled decode short
+        p = run_cli(["chat", str(pack), "-n", n, *common], probe=True, env_extra=env_p, stdin="".join(x["question"] + "\n" for x in qs) + "/quit\n")
+        rec["profile"] = {k: p[k] for k in ("rc", "wall_s", "stderr_tail")}
     if not a.keep_packs:
         pack.unlink(missing_ok=True)
     return rec
@@ -246,6 +261,12 @@ def summarize(rec: dict) -> dict:
         "chat_tok_per_s": [round(x["stats"].get("tokens_per_s") or 0, 1) for x in chat_asks],
         "chat_found": (rec.get("chat") or {}).get("found"),
         "chat_scout_s": [round(x.get("scout_s") or 0, 3) for x in chat_asks],
+        # the TTFT's parts per question (DecodeStats: CUDA events), the factor blocks' wait inside the first scout,
+        # and the CUDA-graph captures after the first token
+        "first_forward_s": st.get("first_forward_s"),
+        "chat_first_forward_s": [round(x["stats"].get("first_forward_s") or 0, 3) for x in chat_asks],
+        "chat_wait_s": [round(x.get("blocks_wait_s") or 0, 3) for x in chat_asks],
+        "chat_capture_s": [round(x.get("capture_s") or 0, 3) for x in chat_asks],
         "skipped": rec.get("skipped"),
     }
 
@@ -253,10 +274,12 @@ def summarize(rec: dict) -> dict:
 COLS = [
     ("tokens", "tokens", "{}"), ("method", "method", "{}"), ("ingest_wall_s", "ingest", "{:.1f}"), ("pack_mib", "pack MiB", "{:.1f}"),
     ("ingest_over_prefill", "ingest/prefill", "{:.2f}"), ("ask_wall_s", "ask", "{:.2f}"), ("import_s", "import", "{:.2f}"), ("transformers_import_s", "tf import", "{:.2f}"), ("cuda_init_s", "CUDA", "{:.2f}"), ("other_s", "other", "{:.2f}"), ("load_s", "load", "{:.2f}"), ("pack_read_s", "read", "{:.2f}"),
-    ("sha256_s", "sha256", "{:.2f}"), ("open_s", "open", "{:.2f}"), ("scout_s", "scout", "{:.3f}"), ("step_build_s", "build", "{:.3f}"), ("blocks_wait_s", "wait", "{:.3f}"), ("ttft_s", "TTFT", "{:.3f}"),
+    ("sha256_s", "sha256", "{:.2f}"), ("open_s", "open", "{:.2f}"), ("scout_s", "scout", "{:.3f}"), ("step_build_s", "build", "{:.3f}"), ("blocks_wait_s", "wait", "{:.3f}"),
+    ("first_forward_s", "1st fwd", "{:.3f}"), ("ttft_s", "TTFT", "{:.3f}"),
     ("tok_per_s", "tok/s", "{:.1f}"), ("captures", "capt", "{}"), ("ask_gpu_peak_gib", "GPU GiB", "{:.2f}"),
     ("weights_gib", "weights", "{:.2f}"), ("ask_rss_gib", "RSS GiB", "{:.2f}"), ("found", "found", "{}"),
-    ("chat_ttft_s", "chat TTFT", "{}"), ("chat_scout_s", "chat scout", "{}"), ("chat_tok_per_s", "chat tok/s", "{}"), ("chat_found", "chat found", "{}"),
+    ("chat_ttft_s", "chat TTFT", "{}"), ("chat_scout_s", "chat scout", "{}"), ("chat_wait_s", "chat wait", "{}"), ("chat_first_forward_s", "chat 1st fwd", "{}"),
+    ("chat_capture_s", "chat capture", "{}"), ("chat_tok_per_s", "chat tok/s", "{}"), ("chat_found", "chat found", "{}"),
 ]
 
 
@@ -295,7 +318,7 @@ def run(a: argparse.Namespace) -> list[dict]:
             results.append(rec)
             row = summarize(rec)
             print(json.dumps({k: row[k] for k in ("doc", "method", "ingest_rc", "ask_rc", "ingest_wall_s", "ingest_over_prefill", "ask_wall_s", "ttft_s", "tok_per_s", "found", "chat_ttft_s")}), flush=True)
-            for part in ("ingest", "ask", "chat"):
+            for part in ("ingest", "ask", "chat", "profile"):
                 if rec.get(part, {}).get("rc") not in (0, None):
                     print(f"{part} failed (rc {rec[part]['rc']}):\n{rec[part]['stderr_tail']}", flush=True)
             if out:
@@ -332,8 +355,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--max-new-tokens", type=int, default=24)
     r.add_argument("--chat", type=int, default=0, help="questions in one `sekv chat` session per pack (0: no chat)")
     r.add_argument("--plain", action="store_true", help="run `python -m sekv_cli.app` without the probe (no stage timers)")
-    r.add_argument("--profile", default=None, help="folder for cProfile dumps of each ask (CUDA context made up front)")
-    r.add_argument("--torch-profile", action="store_true", help="with --profile: also torch.profiler tables of each ask")
+    r.add_argument("--profile", default=None, help="folder: one more two-question chat per pack, each question under torch.profiler, "
+                   "compact tables (top operators and kernels, launches, host waits) appended to DIR/profile.txt")
+    r.add_argument("--profile-lengths", type=ints, default=None, help="with --profile: only these documents (default: all)")
+    r.add_argument("--cprofile", default=None, help="folder for cProfile dumps of each ask (CUDA context made up front)")
+    r.add_argument("--torch-profile", action="store_true", help="with --cprofile: also torch.profiler tables of each ask")
     r.add_argument("--workdir", default=None, help="where packs are written (default: DOCS/packs)")
     r.add_argument("--keep-packs", action="store_true")
     r.add_argument("--out", default=None, help="JSON with every number")

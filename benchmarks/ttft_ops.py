@@ -11,6 +11,12 @@ Phases: ``scout`` (the scout pass: the question's forward over the per-layer rou
 each: top-level aten calls (what Python asks of the dispatcher), those of them that are not views (the launch
 proxy: a view makes no kernel on a GPU), leaf aten ops and the wall seconds on this CPU.  The first ask includes one-off work (the factor blocks' build); the second is
 the steady state.
+
+``--syncs``: instead of the profile, every call on the way that would wait for the device on CUDA (a scalar read:
+``.item()``, ``int()``/``bool()``/``float()`` of a tensor, ``.tolist()``; a data-dependent shape: ``nonzero``,
+``unique``, ``masked_select``, boolean-mask indexing, ``repeat_interleave`` without its size; ``.cpu()``), by the
+sekv line making it.  On the CPU every tensor is on the host, so a site that reads a host tensor (a pack's ranks,
+the span lengths) is listed too: the CUDA-only test ``tests/test_ttft_syncs.py`` says which sites sync there.
 """
 
 from __future__ import annotations
@@ -30,6 +36,85 @@ from sekv_core.session import Session
 VIEWS = {"aten::" + n for n in ("view", "reshape", "slice", "select", "unsqueeze", "squeeze", "transpose", "t", "expand", "expand_as",
                                 "permute", "flatten", "as_strided", "alias", "detach", "_unsafe_view", "split", "chunk", "narrow",
                                 "unflatten", "view_as", "lift_fresh", "_reshape_alias", "unbind", "movedim", "diagonal", "view_as_real", "real")}
+
+
+#: notes of calls that wait only where their tensor is on the host and the target the device (on the CPU, where this
+#: runs, every tensor is on the host): ``.to(device)`` without non_blocking
+MAYBE = "maybe: "
+
+
+class SyncTrace(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the calls that wait for the device on CUDA, by their innermost sekv_core frame ("model": the
+    model's code beneath it named in parentheses), as {site: count}; ``.tolist()`` and ``.cpu()`` are wrapped while it is
+    active."""
+
+    SCALAR = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal"}
+    SHAPE = {"aten::nonzero", "aten::unique", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive", "aten::masked_select",
+             "aten::nonzero_static"}
+
+    def __init__(self):
+        super().__init__()
+        self.sites: collections.Counter = collections.Counter()
+
+    def definite(self) -> dict:
+        """The sites that wait on CUDA wherever their tensors are (not the MAYBE ones)."""
+        return {k: v for k, v in self.sites.items() if not k.startswith(MAYBE)}
+
+    def _note(self, what: str) -> None:
+        import sys
+
+        f, site, outer = sys._getframe(2), None, None
+        while f is not None:
+            fn = f.f_code.co_filename
+            if "sekv_core" in fn:
+                site = f"{fn.split('sekv_core/')[-1]}:{f.f_lineno} {f.f_code.co_name}"
+                break
+            if outer is None and "/torch/" not in fn and not fn.endswith("ttft_ops.py"):  # the model's code that made the call
+                outer = f"{'/'.join(fn.split('/')[-2:])}:{f.f_lineno} {f.f_code.co_name}"
+            f = f.f_back
+        self.sites[f"{what} @ {site}" + (f" (in {outer})" if outer else "")] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = "aten::" + func._schema.name.split("::")[-1]
+        if name in self.SCALAR or name in self.SHAPE:
+            self._note(name[6:])
+        elif name == "aten::repeat_interleave" and kwargs.get("output_size") is None and (len(args) < 4 or args[3] is None) and (
+                len(args) == 1 or torch.is_tensor(args[1])):  # tensor repeats without output_size (int repeats: no sync)
+            self._note("repeat_interleave (no output_size)")
+        elif name in ("aten::index", "aten::index_put", "aten::index_put_") and any(
+                torch.is_tensor(i) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()) if i is not None):
+            self._note(name[6:] + " (boolean mask)")
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        self._raw = torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.to, torch.tensor
+        trace = self
+
+        def tolist(t, *a, **k):
+            trace._note("tolist")
+            return trace._raw[0](t, *a, **k)
+
+        def cpu(t, *a, **k):
+            trace._note("cpu")
+            return trace._raw[1](t, *a, **k)
+
+        def to(t, *a, **k):  # a blocking copy when t is on the host and the target the device (a no-op where t is there)
+            if not k.get("non_blocking") and (k.get("device") is not None or any(isinstance(x, (str, torch.device)) for x in a)):
+                trace._note(MAYBE + "to(device), blocking")
+            return trace._raw[2](t, *a, **k)
+
+        def tensor(*a, **k):  # data from the host copied to the device, blocking
+            if k.get("device") is not None and torch.device(k["device"]).type != "cpu" or k.get("device") is not None and a and not isinstance(a[0], torch.Tensor):
+                trace._note("torch.tensor(device=)")
+            return trace._raw[3](*a, **k)
+
+        torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.to, torch.tensor = tolist, cpu, to, tensor
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.to, torch.tensor = self._raw
+        return super().__exit__(*exc)
 
 
 def count(prof) -> dict:
@@ -67,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--asks", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--by-function", action="store_true", help="attribute the calls to the sekv function making them (slower)")
+    ap.add_argument("--syncs", action="store_true", help="list the calls that would wait for the device on CUDA, by sekv line")
     a = ap.parse_args(argv)
     stack = a.by_function
     torch.set_num_threads(1)
@@ -79,13 +165,20 @@ def main(argv: list[str] | None = None) -> int:
         phases: dict[str, dict] = {}
         prep = mem.prepare_question
 
+        def watch():
+            return SyncTrace() if a.syncs else torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=stack)
+
+        def summary(w) -> dict:
+            return {"syncs": sum(w.definite().values()), "maybe": sum(w.sites.values()) - sum(w.definite().values()),
+                    "sites": w.sites.most_common()} if a.syncs else count(w)
+
         def timed_prep(forward, question=None):
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=stack) as p:
+            with watch() as p:
                 t = time.perf_counter()
                 prep(forward, question)
                 dt = time.perf_counter() - t
-            phases["scout"] = {**count(p), "s": dt}
-            state["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=stack)
+            phases["scout"] = {**summary(p), "s": dt}
+            state["prof"] = watch()
             state["prof"].__enter__()
             state["t"] = time.perf_counter()
 
@@ -95,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             if "prof" in state:
                 dt = time.perf_counter() - state["t"]
                 state["prof"].__exit__(None, None, None)
-                phases["first_forward"] = {**count(state.pop("prof")), "s": dt}
+                phases["first_forward"] = {**summary(state.pop("prof")), "s": dt}
 
         mem.prepare_question = timed_prep
         try:
@@ -104,9 +197,16 @@ def main(argv: list[str] | None = None) -> int:
             del mem.prepare_question
         results.append({"ask": k + 1, "answer": ans.text, "phases": phases})
         for name, ph in phases.items():
-            print(f"ask {k + 1} {name:14s} top-level aten calls {ph['top_level']:6d}  not views {ph['compute']:6d}  leaf ops {ph['leaf']:6d}  {ph['s']:.3f} s")
+            if a.syncs:
+                print(f"ask {k + 1} {name:14s} calls that sync on CUDA {ph['syncs']:5d} (and {ph['maybe']} maybe)  {ph['s']:.3f} s")
+                for site, n in ph["sites"]:
+                    print(f"    {n:5d}  {site}")
+            else:
+                print(f"ask {k + 1} {name:14s} top-level aten calls {ph['top_level']:6d}  not views {ph['compute']:6d}  leaf ops {ph['leaf']:6d}  {ph['s']:.3f} s")
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1))
+    if a.syncs:
+        return 0
     print("most frequent (last ask, scout):", results[-1]["phases"].get("scout", {}).get("most"))
     print("most frequent (last ask, first forward):", results[-1]["phases"].get("first_forward", {}).get("most"))
     if a.by_function:

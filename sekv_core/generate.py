@@ -19,6 +19,11 @@ class DecodeStats:
     question_tokens: int = 0
     generated_tokens: int = 0
     ttft_s: float = 0.0  # question prefill + first token
+    # its parts: the memory's preparation (sekv's scout pass) and the question's forward to the first token's logits;
+    # on CUDA timed by events on the stream (no extra sync), so each ends when the device finished its work
+    scout_s: float = 0.0
+    first_forward_s: float = 0.0
+    capture_s: float = 0.0  # CUDA-graph captures of decode steps in this answer (after the first token)
     decode_s: float = 0.0  # after the first token
     tokens_per_s: float = 0.0  # generated tokens after the first / decode_s
     resident_kv_bytes_peak: int = 0  # peak KV bytes on the compute device during any step
@@ -72,11 +77,15 @@ def generate(
     head = model.get_output_embeddings()
     out: list[int] = []
     ids = torch.tensor([question_ids], device=device)
+    marks = _Marks(device)
+    captures_s = graphed.capture_s if graphed is not None else 0.0
     t0 = time.perf_counter()
     t_first = None
     peak = 0
+    marks.mark()
     # forward(): the question's tokens through the model over the memory; forward(other_ids): those instead (rag prefills its chunks)
     memory.prepare_question(lambda other=None: runtime.forward_hidden(model, ids if other is None else other, memory.n_tokens(), memory), question)
+    marks.mark()
     while True:
         if graphed is not None and ids.shape[1] == 1:
             hidden = graphed(ids)
@@ -86,6 +95,8 @@ def generate(
             memory.end_step()
         with torch.inference_mode():
             logits = head(hidden[:, -1])
+            if t_first is None:
+                marks.mark()
             nxt = int(logits.argmax(-1).item()) if sampler is None else sampler(logits[0])
         peak = max(peak, memory.resident_now())
         if on_step:
@@ -107,6 +118,8 @@ def generate(
     t_end = time.perf_counter()
     stats.generated_tokens = len(out)
     stats.ttft_s = t_first - t0
+    stats.scout_s, stats.first_forward_s = marks.spans()
+    stats.capture_s = (graphed.capture_s if graphed is not None else 0.0) - captures_s
     stats.decode_s = t_end - t_first
     stats.tokens_per_s = (len(out) - 1) / stats.decode_s if len(out) > 1 and stats.decode_s > 0 else 0.0
     stats.resident_kv_bytes_peak = peak
@@ -115,6 +128,31 @@ def generate(
         stats.gpu_peak_bytes = int(torch.cuda.max_memory_allocated(device))
     stats.rss_bytes = psutil.Process().memory_info().rss
     return out, stats
+
+
+class _Marks:
+    """Points on the way to the first token: CUDA events on the input device's stream (read once the first token has
+    synchronised: no sync of their own), else the host's clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.current_stream(device) if self.cuda else None  # the input device's (the question's)
+        self.points: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record(self.stream)
+            self.points.append(e)
+        else:
+            self.points.append(time.perf_counter())
+
+    def spans(self) -> list[float]:
+        """Seconds between consecutive marks (the last mark has been reached on the device)."""
+        p = self.points
+        if self.cuda:
+            return [a.elapsed_time(b) / 1000 for a, b in zip(p, p[1:])]
+        return [b - a for a, b in zip(p, p[1:])]
 
 
 class TextStream:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Hashable
 
 import torch
@@ -86,6 +87,7 @@ class GraphedStep:
         self.key: Hashable | None = None
         self.out: torch.Tensor | None = None
         self.captures = 0  # how often the step was (re)captured
+        self.capture_s = 0.0  # host seconds those captures took (a capture ends with a sync)
 
     @staticmethod
     def supported(model, memory: KVMemory) -> bool:
@@ -134,9 +136,11 @@ class GraphedStep:
         if self.memory.static_key() != key:
             return out
         self.graph = self.out = self.key = None  # free the old graph's pool before capturing anew
+        t = time.perf_counter()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             self.out = self._forward()
         self.graph, self.key = g, key
         self.captures += 1
+        self.capture_s += time.perf_counter() - t
         return out

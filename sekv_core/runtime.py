@@ -1,8 +1,10 @@
 """The seam between a frozen transformers model and sekv's KV memories.
 
 sekv registers one attention function, ``"sekv"``, through transformers'
-``AttentionInterface`` (and a matching no-op mask through
-``AttentionMaskInterface``).  The model is then run with ``use_cache=False`` and
+``AttentionInterface``, and no mask function: for an attention name without one,
+transformers makes no mask and skips its check of the positions for packed
+sequences (a host sync per forward on CUDA); the memories mask for themselves.
+The model is then run with ``use_cache=False`` and
 explicit ``position_ids``: each attention layer projects and rotates the new
 tokens' queries and keys as usual and hands them to our function, which asks
 the *active memory* (a cache method's runtime object) to attend over
@@ -52,10 +54,6 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     return out.transpose(1, 2).contiguous(), None
 
 
-def _no_mask(*args, **kwargs):
-    return None
-
-
 def compilable() -> None:
     """Make the attention hook a graph break for torch.compile (it is the memory's code, run eagerly); called
     once, when a compiled decode step is first asked for (sekv_core/graphed_step.py)."""
@@ -68,10 +66,8 @@ def compilable() -> None:
 
 def _register() -> None:
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_NAME, _attention)
-    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
 
 
 def install(model) -> None:

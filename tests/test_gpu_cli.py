@@ -40,3 +40,38 @@ def test_summary_row_splits_the_process_time():
     assert row["ttft_s"] == 1.5 and row["scout_s"] == 1.0 and row["found"] is True
     text = gpu_cli.table([row])
     assert "other" in text.splitlines()[0] and "9.25" in text.splitlines()[1]
+
+
+def test_summary_row_splits_each_questions_ttft():
+    """The chat's questions: the scout, the factor blocks' wait, the first forward and the captures of each."""
+    asks = [{"wall_s": 2.0, "scout_s": 1.0, "blocks_wait_s": 0.25, "capture_s": 0.5, "captures": 1, "answer": "7",
+             "stats": {"ttft_s": 1.5, "scout_s": 0.9, "first_forward_s": 0.5, "tokens_per_s": 50.0}},
+            {"wall_s": 0.5, "scout_s": 0.1, "blocks_wait_s": 0.0, "capture_s": 0.0, "captures": 0, "answer": "8",
+             "stats": {"ttft_s": 0.2, "scout_s": 0.1, "first_forward_s": 0.05, "tokens_per_s": 60.0}}]
+    probe = {"wall_s": 9.0, "phases": {}, "asks": asks}
+    rec = {"doc": "d", "tokens": 10, "method": "sekv", "ingest": {"rc": 0, "wall_s": 9.0}, "ask": {"rc": None, "skipped": "--no-ask"},
+           "chat": {"rc": 0, "wall_s": 9.5, "probe": probe, "found": [True, False]}}
+    row = gpu_cli.summarize(rec)
+    assert row["first_forward_s"] == 0.5 and row["ttft_s"] == 1.5
+    assert row["chat_first_forward_s"] == [0.5, 0.05] and row["chat_wait_s"] == [0.25, 0.0] and row["chat_capture_s"] == [0.5, 0.0]
+    assert "chat 1st fwd" in gpu_cli.table([row]).splitlines()[0]
+
+
+def test_compact_table_ranks_operators_and_names_the_ranges():
+    """A profiled stretch in a few lines: the operators by time (the largest first), the probe's ranges."""
+    import torch
+    import torch.profiler as tp
+
+    with tp.profile(activities=[tp.ProfilerActivity.CPU]) as p:
+        with cli_probe._label("sekv.scout"):
+            x = torch.randn(128, 128)
+            for _ in range(4):
+                x = torch.mm(x, x)
+            torch.zeros(3)
+    text = cli_probe.compact_table(p, "question 1", rows=3)
+    lines = text.splitlines()
+    assert lines[0] == "== question 1" and "kernel launches 0" in lines[1]
+    ops = lines[3:6]
+    assert len(ops) == 3 and "aten::" in ops[0] and int(ops[0].split()[0]) >= 1
+    assert any(ln.split()[0] == "4" and ln.endswith("aten::mm") for ln in ops), ops  # mm: 4 calls, among the costliest
+    assert any(ln.endswith("sekv.scout") and ln.split()[0] == "1" for ln in lines[6:])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..sekv import compress, describe, layout, scout
+from ..sekv import compress, describe, gpu_step, layout, scout
 from ..sekv.host_copies import HostArena
 from ..sekv.memory import ZoomMemory
 from ..sekv.params import ABLATIONS, SekvParams
@@ -46,6 +46,11 @@ class SekvMethod(CacheMethod):
 
     def open(self, store: TensorStore, params: SekvParams, shape: ModelShape, device) -> KVMemory:
         return ZoomMemory(store, params, shape, device)
+
+    def start_open(self, store: TensorStore, shape: ModelShape, n_tokens: int, device) -> None:
+        """On an accelerator, the batched step's factor blocks, built while the model loads (sekv/gpu_step.py
+        start_blocks): open() takes them up instead of starting the build."""
+        gpu_step.start_blocks(store, shape, n_tokens, device)
 
     def validate(self, store: TensorStore, params: SekvParams, shape: ModelShape, n_tokens: int) -> None:
         layout.validate(store, shape, n_tokens)

@@ -105,7 +105,7 @@ def build_mask(
     """
     h = expanded.shape[0]
     dev = expanded.device
-    ninf = torch.tensor(NEG_INF, dtype=torch.float32, device=dev)
+    ninf = NEG_INF  # a Python scalar: a tensor made from it on the device would be a blocking copy (a host sync)
     if coarse is None:
         coarse = torch.where(expanded, ninf, log_n.float().view(1, -1))  # [H, S]
     s = coarse.shape[1]
@@ -134,7 +134,7 @@ def coarse_scores(expanded: torch.Tensor, block_span: torch.Tensor, block_len: t
     m = torch.zeros(h, span_len.numel(), dtype=torch.float32, device=expanded.device)
     m.index_add_(1, block_span, expanded.float() * block_len.float().view(1, -1))
     rest = span_len.float().view(1, -1) - m
-    return torch.where(rest > 0.5, rest.clamp_min(1).log(), torch.tensor(NEG_INF, device=expanded.device))
+    return torch.where(rest > 0.5, rest.clamp_min(1).log(), NEG_INF)
 
 
 def mixed_attention(

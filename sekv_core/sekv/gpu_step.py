@@ -81,17 +81,22 @@ def device_groups(devices: list) -> list[tuple[torch.device, list[int]]]:
 class BlockBuild:
     """:func:`build_blocks` on a second thread, started when the pack opens, so that the first question finds the
     blocks made (or waits only for the rest) instead of building them inside its scout pass: in `sekv chat` they
-    are made while the question is typed, in `sekv ask` while the question is prepared.  ``result()`` joins; an
+    are made while the question is typed, in `sekv ask` while the question is prepared (:func:`start_blocks`: from
+    the pack's read, while the model loads).  ``result()`` joins; an
     error of the build (a damaged pack) is raised there, in the first forward, where it was raised before."""
 
-    def __init__(self, res: Residents):
+    def __init__(self, res):
+        """res: the opened pack (Residents), or a function run first on the thread that returns what build_blocks
+        reads of one (start_blocks: the checks of the pack, then its factors)."""
         self._blocks: list[fb.Blocks] | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(res,), name="sekv-blocks")
         self._thread.start()
 
-    def _run(self, res: Residents) -> None:
+    def _run(self, res) -> None:
         try:
+            if callable(res):
+                res = res()
             # as inside the forward that would otherwise build them; a thread starts on the first GPU: the pack's
             with torch.inference_mode(), (torch.cuda.device(res.device) if res.cuda else contextlib.nullcontext()):
                 self._blocks = build_blocks(res)
@@ -103,6 +108,62 @@ class BlockBuild:
         if self._error is not None:
             raise self._error
         return self._blocks
+
+    def result_or_none(self) -> list[fb.Blocks] | None:
+        """The blocks, or None where the build failed (the caller builds them itself, and meets the error there)."""
+        self._thread.join()
+        return None if self._error is not None else self._blocks
+
+
+def _device(device) -> torch.device:
+    d = torch.device(device)
+    return torch.device(d.type, torch.cuda.current_device()) if d.type == "cuda" and d.index is None else d
+
+
+#: factor-block builds started before a memory opens (start_blocks): (the store, its device, the build), by id(store)
+_EARLY: dict[int, tuple[object, torch.device, "BlockBuild"]] = {}
+
+
+class _Source:
+    """What build_blocks reads of a Residents, made from the pack alone (the manifest's attention shape)."""
+
+    def __init__(self, store, shape, device):
+        from . import layout
+
+        self.device, self.shape = device, shape
+        self.cuda = device.type == "cuda"
+        self.split = False  # started only for a model on one device (Session.open)
+        self.span_len = (store.get("sekv.span_end") - store.get("sekv.span_start")).long()
+        self.factors = layout.PackFactors(store, set(store.keys()), shape.n_layers, self.span_len, shape.head_dim, device)
+
+
+def start_blocks(store, shape, n_tokens: int, device) -> None:
+    """The factor blocks of a pack that is about to be opened on CUDA ``device``, built on a second thread from now
+    (in `sekv ask` / `chat`: while the model loads), after the pack's tensors pass the checks open() relies on
+    (sekv/layout.py validate, with the manifest's shape; a pack that fails them is not built: the open raises the
+    error).  :meth:`take_blocks` hands the build to the memory opened for the same store and device."""
+    device = _device(device)
+    if device.type != "cuda":
+        return
+
+    def source():
+        from . import layout
+
+        layout.validate(store, shape, n_tokens)
+        return _Source(store, shape, device)
+
+    _EARLY[id(store)] = (store, device, BlockBuild(source))
+
+
+def take_blocks(store, device) -> "BlockBuild | None":
+    """The build start_blocks started for this store on this device (once), else None."""
+    got = _EARLY.pop(id(store), None)
+    if got is None or got[0] is not store:
+        return None
+    if got[1] != _device(device):
+        got[2].result_or_none()  # a build for another device: let it end, unused
+        return None
+    return got[2]
 
 
 class BatchedStep:
@@ -451,10 +512,12 @@ class BatchedStep:
                 inside = rows < (r.block_off[b] + r.block_len[b]).view(-1, 1)
                 sp = r.block_span[b].view(-1, 1).expand_as(rows)
                 row_block[sp[inside], rows[inside]] = k
+            # made on the host; each device's copy sent without a stream sync (pageable memory is staged at once)
             tables = self._span_block_tables = {None: (first, counts, int(counts.max()), row_block)}
         if r.device not in tables:
             first, counts, most, row_block = tables[None]
-            tables[r.device] = (first.to(r.device), counts.to(r.device), most, row_block.to(r.device))
+            up = lambda x: x.to(r.device, non_blocking=True)  # noqa: E731
+            tables[r.device] = (up(first), up(counts), most, up(row_block))
         return tables[r.device]
 
 

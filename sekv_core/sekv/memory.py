@@ -18,7 +18,7 @@ from . import factorize as fz
 from . import prior
 from .budget import ZoomLedger
 from .cpu_step import CpuStep
-from .gpu_step import BatchedStep, BlockBuild
+from .gpu_step import BatchedStep, BlockBuild, take_blocks
 from .params import SekvParams
 from .residents import Residents
 from .scout import Ranking
@@ -54,14 +54,23 @@ class ZoomMemory(KVMemory):
         #: accelerators take the batched step (any layer on one); the CPU the reference step (settable between asks)
         self.batched = any(d.type == "cuda" for d in res.layer_devices)
         self.step: CpuStep | BatchedStep | None = None
-        #: the batched step's blocks, built on a second thread from now on (sekv/gpu_step.py BlockBuild)
-        self._blocks = BlockBuild(res) if self.batched and BACKGROUND_BLOCKS else None
+        #: the batched step's blocks, built on a second thread from now on (sekv/gpu_step.py BlockBuild), or taken up
+        #: from the build started for this pack before the model loaded (gpu_step.start_blocks; one device only)
+        self._blocks, self._early = None, False
+        if self.batched and BACKGROUND_BLOCKS:
+            self._blocks = take_blocks(store, res.device)
+            self._early = self._blocks is not None
+            if self._blocks is None:
+                self._blocks = BlockBuild(res)
 
     def _step(self) -> CpuStep | BatchedStep:
         kind = BatchedStep if self.batched else CpuStep
         if type(self.step) is not kind:
             if kind is BatchedStep:
-                blocks, self._blocks = (self._blocks.result() if self._blocks is not None else None), None
+                b = self._blocks
+                # an early build that failed is built again here from the opened pack (which meets a real error anew)
+                blocks = None if b is None else b.result_or_none() if self._early else b.result()
+                self._blocks = None
                 self.step = BatchedStep(self.res, self.ledger, self.ranking, blocks)
             else:
                 self.step = CpuStep(self.res, self.ledger, self.ranking)
@@ -158,6 +167,11 @@ class ZoomMemory(KVMemory):
         if self.ranking is None or self.ranking.kind != "scout" or self.res.n_spans == 0:
             return
         base = self.n_tokens()
+        lex = None
+        if self.params.lexical_weight > 0 and question and self.res.lexicon is not None:
+            # scored on the host and sent before the forward: a host tensor's copy waits for no device work (a
+            # blocking copy after the forward would wait for all of it)
+            lex = self.res.lexicon.scores(question).to(self.device, non_blocking=True)
         self.ranking.begin_pass()
         self._scouted = []
         try:
@@ -165,9 +179,6 @@ class ZoomMemory(KVMemory):
             if self._scouted:  # the batched step scores every layer's blocks at once, after the forward
                 qs, exact, scaling = zip(*self._scouted)
                 self.ranking.add_masses(self.step.scout_masses(list(qs), list(exact), scaling[0]))
-            lex = None
-            if self.params.lexical_weight > 0 and question and self.res.lexicon is not None:
-                lex = self.res.lexicon.scores(question).to(self.device)
             self.ranking.finish_pass(self.res.scout_profile, self.params.profile_weight, lex, self.params.lexical_weight)
             prior.add_to(self.ranking.prio, self.prior, self.params.prior_weight)
         finally:
