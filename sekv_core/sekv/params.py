@@ -43,6 +43,9 @@ class SekvParams(Params):
     chunk: float = 0.0  # the fixed chunk length; 0: the surprisal spans' mean length
     window: int = -1  # full-resolution tokens at the document's end; -1: min(512, 0.25 * budget * N)
     weighting: str = "surprisal"  # the coarse entry's weights over its span's tokens, or "mean"
+    # number tokens (text with a digit) kept at full resolution, at most this share of the budget's tokens b x N
+    # (sekv/numbers.py; longest numbers first); 0: none
+    number_share: float = 0.0
     # factors (sekv/factorize.py, sekv/codec.py)
     rank_max: int = 32
     energy_k: float = 0.99  # untrained rank rule: the smallest rank keeping this share of sigma^2
