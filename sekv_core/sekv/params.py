@@ -30,6 +30,7 @@ COARSE_MASSES = ("window", "document", "none")
 @dataclass(frozen=True)
 class SekvParams(Params):
     method = "sekv"
+    absent_in_pack = {"number_share": 0.0}  # packs made before number tokens were kept exact
 
     # resident KV budget, a fraction of the document's full KV (also sizes the window and the spans at ingest)
     budget: float = ask_time(DEFAULT_BUDGET)
