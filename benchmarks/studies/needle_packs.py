@@ -28,13 +28,14 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], help="full, or NAME:key=value,... (sekv parameters)")
     ap.add_argument("--budgets", default="0.1")
     ap.add_argument("--model", default="qwen2.5-0.5b")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda (the model's device: ingest and asks)")
     ap.add_argument("--work", default=None, help="where packs are written (default: DOCS/packs)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     docs_dir = Path(a.docs)
     work = Path(a.work) if a.work else docs_dir / "packs"
     work.mkdir(parents=True, exist_ok=True)
-    lm = models.load(a.model, device="cpu")
+    lm = models.load(a.model, device=a.device)
     rows = []
     for doc in json.loads((docs_dir / "docs.json").read_text())["docs"]:
         for v in a.variant or ["base:"]:
