@@ -150,15 +150,19 @@ def test_ingest_keeps_the_tokens_whose_text_has_a_digit(lm, tmp_path):
         assert t - 1 in full1 and t + 1 in full1
 
 
-def test_a_pack_made_before_number_tokens_reads_as_made_without_them(tmp_path):
+def test_a_pack_made_before_number_tokens_reads_as_made_without_them(tmp_path, monkeypatch):
     from sekv_core.pack import read_pack, write_pack
+    from sekv_core.sekv.params import SekvParams
     from sekv_core.session import pack_params, stored_params
+
+    assert SekvParams.absent_in_pack == {"number_share": 0.0}
+    monkeypatch.setattr(SekvParams, "absent_in_pack", {"number_share": 0.05})  # not the default's value: which one is read
 
     res, p, store, _ = _compressed(digits=[50, 51], share=0.0)
     before = {k: v for k, v in p.to_dict().items() if k != "number_share"}
     write_pack(tmp_path / "old.sekv", {"method": "sekv", "method_params": before}, dict(store))
     old = read_pack(tmp_path / "old.sekv")
-    assert "number_share" not in old.params and pack_params(old)["number_share"] == 0.0
-    assert stored_params(old).number_share == 0.0
+    assert "number_share" not in old.params and pack_params(old)["number_share"] == 0.05
+    assert stored_params(old).number_share == 0.05
     write_pack(tmp_path / "new.sekv", {"method": "sekv", "method_params": p.replace(number_share=0.3).to_dict()}, dict(store))
     assert stored_params(read_pack(tmp_path / "new.sekv")).number_share == 0.3
