@@ -170,6 +170,8 @@ def _sekv(pack: Pack, lm, cache_method, params, ids, n_old, header_len, text, pa
     p = dataclasses.replace(params, **append.pack_lengths(pack))  # the pack's span lengths and window, not the new length's
     kw = dict(with_surprisal=True, chunk=chunk, capture=scores.capture_kinds(cache_method.needs_scores), obs_window=cache_method.obs_window(params))
     pieces, trained, spent = [], None, 0.0
+    # the added tokens' text, at their global indices: the number tokens kept exact (sekv/numbers.py)
+    token_text = [""] * n_old + lm.tokenizer.batch_decode([[t] for t in ids[n_old:]]) if p.number_share > 0 else None
     pack_router = layout.router_sha256(pack, set(pack.keys()))  # a pack made untrained stays so, whatever ships now
     for i, w in enumerate(plan):
         ta = time.perf_counter()
@@ -177,6 +179,8 @@ def _sekv(pack: Pack, lm, cache_method, params, ids, n_old, header_len, text, pa
             r = prefill_window(lm.model, ids, header_len, w, progress=lambda dn, _n, w=w: report("prefill", w.start - n_old + dn, i), **kw)
         spent += time.perf_counter() - ta
         report("compress", w.end - n_old, i)
+        if token_text is not None:
+            r.scores["token_text"] = token_text
         if i == 0 and pack_router:
             trained = compress.trained_router(r, p, r.shape)
         with stage("compress"), fz.single_thread():

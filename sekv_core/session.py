@@ -231,6 +231,8 @@ def pack_params(pack: Pack) -> dict[str, Any]:
         if not ok or (isinstance(v, str) and len(v) > 4096):
             raise PackError(f"{pack.path}: the pack's {pack.method} parameter {k!r} has a bad value; re-ingest the document")
         out[k] = v
+    for k, v in m.params_type.absent_in_pack.items():  # a pack made before the parameter existed
+        out.setdefault(k, v)
     b = out.get("budget")
     if b is not None and not 0 < b <= 1:
         raise PackError(f"{pack.path}: the pack's budget {b!r} is not in (0, 1]; re-ingest the document")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 from ..errors import SekvError
 
@@ -29,6 +29,9 @@ class Params:
     """No parameters (the base of every method's parameter class)."""
 
     method = ""  # the method's name, for error messages (a class attribute, not a field)
+    #: ingest-time parameters added after packs were made without them: the value such a pack was made with (a
+    #: pack's manifest records every parameter, so one without the name predates it; session.pack_params)
+    absent_in_pack: ClassVar[Mapping[str, Any]] = {}
 
     @classmethod
     def defaults(cls) -> dict[str, Any]:

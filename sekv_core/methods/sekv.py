@@ -24,8 +24,10 @@ class SekvMethod(CacheMethod):
     per_layer_devices = True
 
     def needs(self, params: SekvParams) -> tuple[str, ...]:
-        """With the KVzip prior (sekv/prior.py), also the reconstruction prompts kvzip reads."""
-        return self.needs_scores + (("kvzip_prompts",) if params.prior == "kvzip" else ())
+        """With the KVzip prior (sekv/prior.py), also the reconstruction prompts kvzip reads; with number tokens kept
+        exact (sekv/numbers.py), the tokens' text."""
+        return self.needs_scores + (("kvzip_prompts",) if params.prior == "kvzip" else ()) + (
+            ("token_text",) if params.number_share > 0 else ())
 
     def obs_window(self, params: SekvParams) -> int:
         return scout.PROFILE_QUERIES

@@ -17,10 +17,10 @@ import torch
 from ..methods.base import ModelShape, PrefillResult
 from . import codec
 from . import factorize as fz
-from . import layout, merge, prior, rope, router, router_file, scout
+from . import layout, merge, numbers, prior, rope, router, router_file, scout
 from .host_copies import HostCopies, to_host
 from .params import SekvParams
-from .segment import Segmentation, auto_lengths, fixed_segment, segment, zoom_blocks
+from .segment import Segmentation, auto_lengths, fixed_segment, keep_exact, segment, zoom_blocks
 from .summarize import span_weights, weighted_means
 
 
@@ -155,7 +155,20 @@ def lengths(n_tokens: int, params: SekvParams) -> tuple[int, int, int]:
 def segmentation(prefill: PrefillResult, params: SekvParams) -> Segmentation:
     """The spans of a prefill's tokens (local indices).  A window of a windowed ingest (sekv_core/windows.py) is
     segmented on its own, so no span straddles two windows: the sinks only in the document's first window, the
-    full-resolution recent window only in its last; span lengths from the whole document's token count."""
+    full-resolution recent window only in its last; span lengths from the whole document's token count.  With
+    ``number_share`` > 0 the number tokens the share allows are then taken out of the spans (sekv/numbers.py)."""
+    seg = _spans(prefill, params)
+    if params.number_share <= 0:
+        return seg
+    text = (prefill.scores or {}).get("token_text")
+    if text is None:
+        raise ValueError("sekv: number_share > 0 needs the tokens' text (prefill scores 'token_text')")
+    flags = numbers.number_flags(text[prefill.start : prefill.start + prefill.n_tokens])
+    cap = numbers.number_cap(params.number_share, params.layout_budget, prefill.n_tokens)
+    return keep_exact(seg, numbers.exact_positions(flags, cap))
+
+
+def _spans(prefill: PrefillResult, params: SekvParams) -> Segmentation:
     n = prefill.n_tokens
     n_doc = prefill.doc_tokens or n
     mn, mx, w = lengths(n_doc, params)

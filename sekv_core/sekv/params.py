@@ -30,6 +30,7 @@ COARSE_MASSES = ("window", "document", "none")
 @dataclass(frozen=True)
 class SekvParams(Params):
     method = "sekv"
+    absent_in_pack = {"number_share": 0.0}  # packs made before number tokens were kept exact
 
     # resident KV budget, a fraction of the document's full KV (also sizes the window and the spans at ingest)
     budget: float = ask_time(DEFAULT_BUDGET)
@@ -43,6 +44,9 @@ class SekvParams(Params):
     chunk: float = 0.0  # the fixed chunk length; 0: the surprisal spans' mean length
     window: int = -1  # full-resolution tokens at the document's end; -1: min(512, 0.25 * budget * N)
     weighting: str = "surprisal"  # the coarse entry's weights over its span's tokens, or "mean"
+    # number tokens (text with a digit) kept at full resolution, at most this share of the budget's tokens b x N
+    # (sekv/numbers.py; longest numbers first); 0: none
+    number_share: float = 0.0
     # factors (sekv/factorize.py, sekv/codec.py)
     rank_max: int = 32
     energy_k: float = 0.99  # untrained rank rule: the smallest rank keeping this share of sigma^2

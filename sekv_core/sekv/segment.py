@@ -213,3 +213,28 @@ def fixed_segment(n_tokens: int, *, chunk: float, n_sink: int = 4, window: int, 
     end = lo + ((k + 1) * t) // s_ + gap
     anchor_idx = end[:-1].clone() if anchors else empty
     return Segmentation(n, _uncovered(n, start, end), anchor_idx, start, end)
+
+
+def keep_exact(seg: Segmentation, exact: torch.Tensor) -> Segmentation:
+    """``seg`` with the positions ``exact`` taken out of their spans and kept at full resolution: a span is cut at
+    each of them, and a piece of one token left between two of them is kept at full resolution too (a one-token
+    span's coarse entry costs what its token does, and its factors buy nothing).  The anchors stay as they are."""
+    n = seg.n_tokens
+    if exact.numel() == 0 or seg.n_spans == 0:
+        return seg
+    pos, sid = seg.span_tokens()
+    owner = torch.full((n,), -1, dtype=torch.long)
+    owner[pos] = sid
+    exact = exact[(exact >= 0) & (exact < n)]
+    owner[exact] = -1
+    for _ in range(2):  # the pieces, then the one-token pieces dropped (dropping them makes no new one-token piece)
+        keep = owner >= 0
+        prev = torch.cat([torch.tensor([-2]), owner[:-1]])
+        nxt = torch.cat([owner[1:], torch.tensor([-2])])
+        start = torch.nonzero(keep & (prev != owner)).flatten()
+        end = torch.nonzero(keep & (nxt != owner)).flatten() + 1
+        single = start[end - start == 1]
+        if single.numel() == 0:
+            break
+        owner[single] = -1
+    return Segmentation(n, _uncovered(n, start, end), seg.anchor_idx, start, end)

@@ -152,6 +152,8 @@ class Trainer:
         pre = prefill(self.model, torch.tensor(c.doc_ids), with_surprisal=True)
         pre.keys = [k.clone() for k in pre.keys]  # out of inference mode: the student saves them for backward
         pre.values = [v.clone() for v in pre.values]
+        if self.params.number_share > 0:  # the number tokens ingest keeps exact (sekv/numbers.py)
+            pre.scores["token_text"] = self.lm.tokenizer.batch_decode([[t] for t in c.doc_ids])
         seg = sekv_compress.segmentation(pre, self.params)
         ctx = compress_context(pre, seg, weighting=self.params.weighting, rank=self.cfg.rank, pre_rope=self.params.key_space == "pre_rope")
         ctx.window = sekv_compress.lengths(pre.n_tokens, self.params)[2]
