@@ -86,7 +86,7 @@ def _cuda_syncs(fn) -> list[str]:
     show = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message).lower():
+        if "synchroniz" in str(message).lower() and "prototype" not in str(message):  # not the mode's own notice
             frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
             here = [f for f in frames if "sekv_core" in f.filename] or frames
             seen.append(" <- ".join(f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}" for f in here[-3:][::-1]))

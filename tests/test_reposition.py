@@ -278,6 +278,12 @@ def test_long_pack_batched_and_static_steps_stay_inside_the_window(long_packs, t
     assert 0 < extra["positions"]["resident_tokens"] <= extra["positions"]["question_at"]
     assert 0 <= seen_positions["min"] and seen_positions["keys"] < WINDOW and seen_positions["model"] < WINDOW
     assert len(out) > 0
+    # a second question on the same memory, re-placed outside inference mode as `sekv chat` and `sekv bench` do:
+    # the batched step's tables made inside the first answer's forwards are reset, not written in place
+    s.memory.truncate(s.start)
+    s.memory.place_in_window(s.window, len(ids) + 8)
+    again, _ = generate(s.lm.model, s.memory, ids, max_new_tokens=8, stop_ids=s.stop_ids, graphs=True, question=q)
+    assert again == out
 
 
 @pytest.mark.parametrize("method", ["full", "snapkv"])

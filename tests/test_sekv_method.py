@@ -253,7 +253,7 @@ def test_cuda_host_copies_with_every_arena():
     """compress() moves its GPU results to the host three ways (worker-thread copies into fresh memory, DMA into
     a page-locked arena, worker-thread copies into a pre-faulted arena; what does not fit an arena falls back
     to fresh memory): each gives exactly `.cpu()` of the tensors, submitted layer by layer."""
-    from sekv_core.methods.sekv import _HostCopies
+    from sekv_core.sekv.host_copies import HostCopies as _HostCopies
 
     g = torch.Generator(device="cuda").manual_seed(0)
     dev = torch.device("cuda")

@@ -69,8 +69,8 @@ class Probe:
                            "lexical": None if lexical is None else lexical.clone(), "pw": pw, "lw": lw}
             return probe._orig_finish(rk, profile, pw, lexical, lw)
 
-        def choose(step, layer, query):
-            keep, expanded = probe._orig_choose(step, layer, query)
+        def choose(step, r, layer, query):
+            keep, expanded = probe._orig_choose(step, r, layer, query)
             if step.ranking is not None and step.ranking.ranks() and len(probe.keeps) < step.res.shape.n_layers:
                 probe.keeps.append(keep.cpu())
             return keep, expanded

@@ -100,7 +100,12 @@ class ZoomMemory(KVMemory):
             self.question_at(max(0, window - reserve), window)
 
     def question_at(self, p0: int, window: int = 0) -> None:
-        """Re-positioned attention with the question at position p0 (the resident set right before it)."""
+        """Re-positioned attention with the question at position p0 (the resident set right before it).  In inference
+        mode, as the forwards that made the step's tables are: callers between asks (chat, bench) are outside it."""
+        with torch.inference_mode():
+            self._question_at(p0, window)
+
+    def _question_at(self, p0: int, window: int) -> None:
         r = self.res
         self.truncate(0)
         r.reposition()
