@@ -82,7 +82,7 @@ class ZoomLedger:
         self.step_spans |= spans
         self.ask_spans |= spans
         self.span_counts += expanded.long().sum(0)
-        self.rate_sum[layer] += expanded.double().mean()
+        self.rate_sum[layer].add_(expanded.double().mean())  # in place: `x[i] += y` copies x[i] back into itself
         self.h2d_step += h2d_bytes
         self.h2d_total += h2d_bytes
 
