@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from . import blocks as fb
 from . import rope
-from .budget import ZoomLedger
+from .budget import ZoomLedger, zoom_stats
 from .residents import Residents
 from .scout import Ranking
 
@@ -119,12 +119,13 @@ class FixedSets:
             self._folded_for = key
         plan = self._plan(r, key, r.kv.annex_kv(layer)[0].shape[-2], query.shape[1])
         words = self._fill(r, layer, plan)
-        self.spans[layer].copy_(plan["keep_s"].any(0))
-        self.counts[layer].copy_(plan["exp_s"].sum(0))
-        self.rate[layer].copy_(plan["exp_s"].double().mean())
+        spans, counts, rate = plan["stats"]
+        self.spans[layer].copy_(spans)
+        self.counts[layer].copy_(counts)
+        self.rate[layer].copy_(rate)
         self.filled_for[layer] = key
         out = self._joint_attention(layer, query, scaling, lim, fresh=True, expanded=plan["expanded"])
-        self.ledger.count(layer, plan["keep_s"], plan["exp_s"], words * 8)
+        self.ledger.count(layer, plan["keep_s"], plan["exp_s"], words * 8, stats=plan["stats"])
         if layer == len(self.filled_for) - 1:  # the last layer: the plan's tables (rotations of every row) are not kept
             self._plans = {}
         return out
@@ -173,6 +174,7 @@ class FixedSets:
             plan["cos"], plan["sin"] = rope.cos_sin((start + j_of).flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype)
         expanded = keep.repeat_interleave(h // hkv, 0)
         plan["expanded"], plan["keep_s"], plan["exp_s"] = expanded, r.span_level(keep), r.span_level(expanded)
+        plan["stats"] = zoom_stats(plan["keep_s"], plan["exp_s"])  # the same for every layer: made once
         self._plans = {**getattr(self, "_plans", {}), r.device: ((key, ug, h), plan)}
         return plan
 
