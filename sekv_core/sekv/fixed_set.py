@@ -188,7 +188,9 @@ class FixedSets:
         rows, words = fb.fetch(b, plan["pair"], plan["fetch_ok"])
         us, vt = fb.unpack(b, rows, r.shape.dtype)
         rec = torch.matmul(us, vt)  # [Hkv * pg, 2, n_max, d]; rows of pairs not fetched are unused
-        src = plan["src_pair"] * b.n_max + plan["src_row"]
+        src = plan.get(("src", b.n_max))  # each row's source row: the same for every layer of a block length
+        if src is None:
+            src = plan[("src", b.n_max)] = plan["src_pair"] * b.n_max + plan["src_row"]
         if r.layout is not None:
             self.base_slots[layer].copy_(plan["base_slots"])
             self.ledger.count_positions(plan["tokens"])
@@ -201,6 +203,13 @@ class FixedSets:
         self.keep[layer].copy_(plan["keep"])
         self.n[layer].copy_(plan["n"])
         return words
+
+    def _causal(self, q: int, dtype, dev) -> torch.Tensor:
+        """[q, q]: -inf above the diagonal (a new token hides the later ones), 0 elsewhere; made once for every layer."""
+        c = getattr(self, "_causal_t", None)
+        if c is None or c.shape[0] != q or c.dtype != dtype or c.device != dev:
+            c = self._causal_t = torch.full((q, q), float("-inf"), device=dev).triu(1).to(dtype)
+        return c
 
     def _joint_attention(self, layer: int, query: torch.Tensor, scaling: float, lim, fresh: bool, expanded=None) -> torch.Tensor:
         """One SDPA over a layer's resident buffer and its annex, under the set's mask: full-resolution tokens;
@@ -240,7 +249,7 @@ class FixedSets:
             mask[..., lim - q : lim] = 0.0
         if q > 1:  # causal among the new tokens
             mask = mask.expand(1, h, q, cap + ug).clone()
-            mask[0, :, :, lim - q : lim] += torch.full((q, q), float("-inf"), device=dev).triu(1).to(mask.dtype)
+            mask[0, :, :, lim - q : lim].add_(self._causal(q, mask.dtype, dev))
         if SDPA_LAYOUT == "packed":
             return grouped_attention(query, jk, jv, mask, scaling)
         if SDPA_LAYOUT == "math":
