@@ -117,6 +117,39 @@ class SyncTrace(torch.utils._python_dispatch.TorchDispatchMode):
         return super().__exit__(*exc)
 
 
+class OpCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every aten op that reaches the dispatcher below autograd (composites decomposed: ``.to(dtype)`` is one
+    ``_to_copy``, ``x.float()`` of a float32 tensor nothing), views apart: on CUDA each is about one kernel launch.
+    Counted by name and by the innermost sekv_core line making it (``model``: the model's own code)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.views: collections.Counter = collections.Counter()
+        self.sites: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import sys
+
+        name = "aten::" + func._schema.name.split("::")[-1]
+        if name in VIEWS or func.is_view:
+            self.views[name] += 1
+        else:
+            self.ops[name] += 1
+            f, site = sys._getframe(1), "model"
+            while f is not None:
+                if "sekv_core" in f.f_code.co_filename:
+                    site = f"{f.f_code.co_filename.split('sekv_core/')[-1]}:{f.f_lineno} {f.f_code.co_name}"
+                    break
+                f = f.f_back
+            self.sites[(site, name)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def summary(self) -> dict:
+        return {"ops": sum(self.ops.values()), "views": sum(self.views.values()), "most": self.ops.most_common(12),
+                "sites": [(f"{n} @ {s}", c) for (s, n), c in self.sites.most_common()]}
+
+
 def count(prof) -> dict:
     """{top-level aten calls, leaf aten ops, the most frequent top-level names} of a profile."""
     evs = [e for e in prof.events() if e.name.startswith("aten::")]
@@ -153,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--by-function", action="store_true", help="attribute the calls to the sekv function making them (slower)")
     ap.add_argument("--syncs", action="store_true", help="list the calls that would wait for the device on CUDA, by sekv line")
+    ap.add_argument("--ops", action="store_true", help="count the aten ops below autograd (the launch proxy), by name and sekv line")
     a = ap.parse_args(argv)
     stack = a.by_function
     torch.set_num_threads(1)
@@ -166,11 +200,13 @@ def main(argv: list[str] | None = None) -> int:
         prep = mem.prepare_question
 
         def watch():
+            if a.ops:
+                return OpCount()
             return SyncTrace() if a.syncs else torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=stack)
 
         def summary(w) -> dict:
             return {"syncs": sum(w.definite().values()), "maybe": sum(w.sites.values()) - sum(w.definite().values()),
-                    "sites": w.sites.most_common()} if a.syncs else count(w)
+                    "sites": w.sites.most_common()} if a.syncs else w.summary() if a.ops else count(w)
 
         def timed_prep(forward, question=None):
             with watch() as p:
@@ -201,11 +237,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"ask {k + 1} {name:14s} calls that sync on CUDA {ph['syncs']:5d} (and {ph['maybe']} maybe)  {ph['s']:.3f} s")
                 for site, n in ph["sites"]:
                     print(f"    {n:5d}  {site}")
+            elif a.ops:
+                print(f"ask {k + 1} {name:14s} aten ops {ph['ops']:6d}  (and {ph['views']} views)  {ph['s']:.3f} s")
+                if k == a.asks - 1:
+                    print("    most:", ph["most"])
+                    for site, n in ph["sites"][:30] + [x for x in ph["sites"][30:] if "copy" in x[0]]:
+                        print(f"    {n:5d}  {site}")
             else:
                 print(f"ask {k + 1} {name:14s} top-level aten calls {ph['top_level']:6d}  not views {ph['compute']:6d}  leaf ops {ph['leaf']:6d}  {ph['s']:.3f} s")
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1))
-    if a.syncs:
+    if a.syncs or a.ops:
         return 0
     print("most frequent (last ask, scout):", results[-1]["phases"].get("scout", {}).get("most"))
     print("most frequent (last ask, first forward):", results[-1]["phases"].get("first_forward", {}).get("most"))

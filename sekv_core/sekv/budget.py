@@ -17,6 +17,12 @@ import torch
 from ..methods.base import ModelShape
 
 
+def zoom_stats(keep: torch.Tensor, expanded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a layer's zoom adds to the stats: the spans any group rebuilt [S] (bool), the heads that see each span [S]
+    (long) and the share of (head, span) pairs seen (float64 scalar), of keep [Hkv, S] and expanded [H, S]."""
+    return keep.any(0), expanded.long().sum(0), expanded.double().mean()
+
+
 class ZoomLedger:
     def __init__(self, *, budget: float | None, zoom: str, shape: ModelShape, n_doc: int, n_base: int, router_bytes: int,
                  entry_bytes: int, n_spans: int, device):
@@ -71,18 +77,21 @@ class ZoomLedger:
         if self.budget is None:  # no cap: the budget is the full KV
             self.budget_bytes = (self.n_doc + n_appended) * self.shape.kv_bytes_per_token()
 
-    def count(self, layer: int, keep: torch.Tensor, expanded: torch.Tensor, h2d_bytes=0) -> None:
+    def count(self, layer: int, keep: torch.Tensor, expanded: torch.Tensor, h2d_bytes=0, stats=None) -> None:
         """A layer's zoom: keep [Hkv, S] (the (group, span) pairs rebuilt), expanded [H, S] (what each head sees); a
         layer on another device than the ledger's (a model placed across devices) has them copied here, no host sync
-        where the ledger is on an accelerator."""
-        if keep.device != self.step_spans.device:
-            keep, expanded = _here(keep, self.step_spans.device), _here(expanded, self.step_spans.device)
-            h2d_bytes = _here(h2d_bytes, self.step_spans.device) if torch.is_tensor(h2d_bytes) else h2d_bytes
-        spans = keep.any(0)
+        where the ledger is on an accelerator.  stats: :func:`zoom_stats` of keep and expanded where the caller has
+        them already (a fixed set's, the same for every layer)."""
+        if stats is None or keep.device != self.step_spans.device:
+            if keep.device != self.step_spans.device:
+                keep, expanded = _here(keep, self.step_spans.device), _here(expanded, self.step_spans.device)
+                h2d_bytes = _here(h2d_bytes, self.step_spans.device) if torch.is_tensor(h2d_bytes) else h2d_bytes
+            stats = zoom_stats(keep, expanded)
+        spans, counts, rate = stats
         self.step_spans |= spans
         self.ask_spans |= spans
-        self.span_counts += expanded.long().sum(0)
-        self.rate_sum[layer] += expanded.double().mean()
+        self.span_counts += counts
+        self.rate_sum[layer].add_(rate)  # in place: `x[i] += y` copies x[i] back into itself
         self.h2d_step += h2d_bytes
         self.h2d_total += h2d_bytes
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from . import blocks as fb
 from . import rope
-from .budget import ZoomLedger
+from .budget import ZoomLedger, zoom_stats
 from .residents import Residents
 from .scout import Ranking
 
@@ -119,12 +119,13 @@ class FixedSets:
             self._folded_for = key
         plan = self._plan(r, key, r.kv.annex_kv(layer)[0].shape[-2], query.shape[1])
         words = self._fill(r, layer, plan)
-        self.spans[layer].copy_(plan["keep_s"].any(0))
-        self.counts[layer].copy_(plan["exp_s"].sum(0))
-        self.rate[layer].copy_(plan["exp_s"].double().mean())
+        spans, counts, rate = plan["stats"]
+        self.spans[layer].copy_(spans)
+        self.counts[layer].copy_(counts)
+        self.rate[layer].copy_(rate)
         self.filled_for[layer] = key
         out = self._joint_attention(layer, query, scaling, lim, fresh=True, expanded=plan["expanded"])
-        self.ledger.count(layer, plan["keep_s"], plan["exp_s"], words * 8)
+        self.ledger.count(layer, plan["keep_s"], plan["exp_s"], words * 8, stats=plan["stats"])
         if layer == len(self.filled_for) - 1:  # the last layer: the plan's tables (rotations of every row) are not kept
             self._plans = {}
         return out
@@ -173,6 +174,7 @@ class FixedSets:
             plan["cos"], plan["sin"] = rope.cos_sin((start + j_of).flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype)
         expanded = keep.repeat_interleave(h // hkv, 0)
         plan["expanded"], plan["keep_s"], plan["exp_s"] = expanded, r.span_level(keep), r.span_level(expanded)
+        plan["stats"] = zoom_stats(plan["keep_s"], plan["exp_s"])  # the same for every layer: made once
         self._plans = {**getattr(self, "_plans", {}), r.device: ((key, ug, h), plan)}
         return plan
 
@@ -186,7 +188,9 @@ class FixedSets:
         rows, words = fb.fetch(b, plan["pair"], plan["fetch_ok"])
         us, vt = fb.unpack(b, rows, r.shape.dtype)
         rec = torch.matmul(us, vt)  # [Hkv * pg, 2, n_max, d]; rows of pairs not fetched are unused
-        src = plan["src_pair"] * b.n_max + plan["src_row"]
+        src = plan.get(("src", b.n_max))  # each row's source row: the same for every layer of a block length
+        if src is None:
+            src = plan[("src", b.n_max)] = plan["src_pair"] * b.n_max + plan["src_row"]
         if r.layout is not None:
             self.base_slots[layer].copy_(plan["base_slots"])
             self.ledger.count_positions(plan["tokens"])
@@ -199,6 +203,13 @@ class FixedSets:
         self.keep[layer].copy_(plan["keep"])
         self.n[layer].copy_(plan["n"])
         return words
+
+    def _causal(self, q: int, dtype, dev) -> torch.Tensor:
+        """[q, q]: -inf above the diagonal (a new token hides the later ones), 0 elsewhere; made once for every layer."""
+        c = getattr(self, "_causal_t", None)
+        if c is None or c.shape[0] != q or c.dtype != dtype or c.device != dev:
+            c = self._causal_t = torch.full((q, q), float("-inf"), device=dev).triu(1).to(dtype)
+        return c
 
     def _joint_attention(self, layer: int, query: torch.Tensor, scaling: float, lim, fresh: bool, expanded=None) -> torch.Tensor:
         """One SDPA over a layer's resident buffer and its annex, under the set's mask: full-resolution tokens;
@@ -238,7 +249,7 @@ class FixedSets:
             mask[..., lim - q : lim] = 0.0
         if q > 1:  # causal among the new tokens
             mask = mask.expand(1, h, q, cap + ug).clone()
-            mask[0, :, :, lim - q : lim] += torch.full((q, q), float("-inf"), device=dev).triu(1).to(mask.dtype)
+            mask[0, :, :, lim - q : lim].add_(self._causal(q, mask.dtype, dev))
         if SDPA_LAYOUT == "packed":
             return grouped_attention(query, jk, jv, mask, scaling)
         if SDPA_LAYOUT == "math":

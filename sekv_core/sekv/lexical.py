@@ -103,14 +103,10 @@ class Lexicon:
     def scores(self, question: str) -> torch.Tensor:
         """[B] float32: the sum of the idf of the distinct question terms in each block's window."""
         q = text_terms(question)
-        out = torch.zeros(self.n_blocks, dtype=torch.float32)
         if not q:
-            return out
-        for i, ts in enumerate(self.block_terms):
-            hit = q & ts
-            if hit:
-                out[i] = sum(self.idf[t] for t in hit)
-        return out
+            return torch.zeros(self.n_blocks, dtype=torch.float32)
+        # summed in Python, made a tensor once (an item write per block is a tensor op each)
+        return torch.tensor([sum(self.idf[t] for t in hit) if (hit := q & ts) else 0.0 for ts in self.block_terms], dtype=torch.float32)
 
 
 def document_terms(tokenizer, text: str, offsets=None) -> torch.Tensor:
