@@ -179,6 +179,7 @@ def test_blocks_built_from_the_pack_alone_are_the_opened_packs():
         return gpu_step._Source(store, res.shape, torch.device("cpu"))
 
     early._blocks, early._early = gpu_step.BlockBuild(source), True
+    took = early._blocks
 
     def broken():
         raise PackError("checksum mismatch")
@@ -188,6 +189,9 @@ def test_blocks_built_from_the_pack_alone_are_the_opened_packs():
     want = _first_logits(model, q=q, m=plain)
     for m in (early, failed):
         assert torch.equal(_first_logits(model, q=q, m=m), want)
+    # the early build itself succeeded and its blocks are the ones the step uses (not a silent rebuild after a failure)
+    assert took.result_or_none() is not None, took._error
+    assert early.step.blocks is took.result()
     for a, b in zip(plain.step.blocks, early.step.blocks):
         assert torch.equal(a.words, b.words) and torch.equal(a.used, b.used) and (a.stride, a.n_max, a.r_max) == (b.stride, b.n_max, b.r_max)
 
