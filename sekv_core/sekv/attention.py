@@ -17,6 +17,8 @@ logit, kept while the cumulative reconstruction bytes fit the cap.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -55,7 +57,7 @@ def route(logits: torch.Tensor, logit_tau: torch.Tensor, n_kv: int) -> tuple[tor
     h, _, s = logits.shape
     lg = logits.amax(1)
     cand = lg > logit_tau.view(h, 1)
-    prio = torch.where(cand, lg, torch.full_like(lg, NEG_INF)).view(n_kv, h // n_kv, s).amax(1)
+    prio = torch.where(cand, lg, NEG_INF).view(n_kv, h // n_kv, s).amax(1)
     return cand, prio
 
 
@@ -156,6 +158,10 @@ def select_topk(priority: torch.Tensor, cost: torch.Tensor, cap: float | None, p
 
     P = min(p_max, Hkv * S); with p_max at least the number of pairs the cap can hold, the kept pairs
     (``ok``) are exactly :func:`select`'s (up to the order of equal priorities).  No host sync.
+
+    ``ok`` is a prefix without a running product: the priorities come sorted (``> -inf`` holds for a prefix) and the
+    costs are >= 0 (their running sum stays within the cap for a prefix).  Integer costs are summed as integers
+    against the cap's floor (what a float64 sum of integers below 2^53 compares to the cap).
     """
     hkv, s = priority.shape
     flat = priority.flatten()
@@ -163,9 +169,12 @@ def select_topk(priority: torch.Tensor, cost: torch.Tensor, cap: float | None, p
     top, pair = torch.topk(flat, k, sorted=True)
     ok = top > NEG_INF
     if cap is not None:
-        c = cost.to(torch.float64)[pair % s]
-        ok = ok & (torch.cumsum(c, 0) <= float(cap))
-    ok = torch.cumprod(ok.to(torch.int8), 0).bool()
+        c = cost[pair % s]
+        if c.is_floating_point():
+            c, cap = c.to(torch.float64), float(cap)
+        else:
+            cap = math.floor(cap)
+        ok = ok & (torch.cumsum(c, 0) <= cap)
     return pair, ok
 
 
@@ -207,4 +216,4 @@ def flat_attention(
         z = pa.sum(-1, keepdim=True) + pb.sum(-1, keepdim=True)
         o = torch.matmul(pa.view(hkv, g * qc, t), vf).view(h, qc, d) + torch.matmul(pb.view(h * qc, -1), rvf).view(h, qc, d)
         outs.append(o / z)
-    return torch.cat(outs, 1).to(query.dtype).unsqueeze(0)
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, 1)).to(query.dtype).unsqueeze(0)

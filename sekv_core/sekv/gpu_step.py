@@ -257,12 +257,28 @@ class BatchedStep:
         keys, values = r.kv.append(layer, key, value)
         h, q = query.shape[1], query.shape[2]
         n_tail = r.kv.len[layer] - r.n_base
+        base = self._open_mask(r, h, q, n_tail)
 
         def resident_mask(expanded):
-            return build_mask(n_heads=h, n_q=q, n_full=r.n_full, log_n=r.log_n, expanded=expanded, n_tail=n_tail, slot_span=None, dtype=torch.float32)
+            # build_mask's: the coarse entries of the expanded spans hidden in a copy of the forward's mask with none
+            m = base.clone()
+            m[0, :, :, r.n_full : r.n_base].masked_fill_(expanded.unsqueeze(1), float("-inf"))
+            return m
 
         with _tf32(query.is_cuda and query.dtype != torch.float32):
             return self._core(layer, query, keys, values, resident_mask, scaling, r.kv.len[layer])
+
+    def _open_mask(self, r: Residents, h: int, q: int, n_tail: int) -> torch.Tensor:
+        """build_mask with no span expanded [1, H, q, T] (float32): the same for every layer of a forward (one device),
+        made by its first layer; a layer's mask hides its expanded spans' coarse entries in a copy of it."""
+        key = (h, q, r.n_full, n_tail)
+        masks = self.__dict__.setdefault("_open_masks", {})  # by device (a model placed across devices: each its own)
+        held = masks.get(r.device)
+        if held is None or held[0] != key:
+            none = torch.zeros(h, r.n_spans, dtype=torch.bool, device=r.log_n.device)
+            m = build_mask(n_heads=h, n_q=q, n_full=r.n_full, log_n=r.log_n, expanded=none, n_tail=n_tail, slot_span=None, dtype=torch.float32)
+            held = masks[r.device] = (key, m)
+        return held[1]
 
     def _core(self, layer, query, keys, values, resident_mask, scaling, lim) -> torch.Tensor:
         """Route, cap, fetch, rebuild, attend, count: shapes depend only on the memory, never on the data.
@@ -292,48 +308,58 @@ class BatchedStep:
             keep = lay.cap(keep, prio, r.span_len_dev)
             ok = ok & keep.view(-1)[pair]
             keys, slots = self._placed(layer, keys, keep if r.whole_spans else keep[:, r.block_span_dev])
-        expanded = keep.repeat_interleave(h // hkv, 0)
+        expanded = keep.index_select(0, r.head_group)  # each query head its group's row
         if r.head_masks:
             expanded = expanded & cand
+        # the scout pass's zoom stats are not kept (the ask's ledger is reset after it): nothing counted there
+        counted = self.ranking is None or not self.ranking.scouting
         b = self.blocks[layer]
-        rows, words = fb.fetch(b, pair, ok)
+        rows, words = fb.fetch(b, pair, ok, count=counted)
         # dequantised and multiplied in the model dtype (bf16 on GPU: tensor cores; int8 levels are exact in bf16,
         # and the factors' quantisation error dominates bf16 rounding)
         us, vt = fb.unpack(b, rows, r.shape.dtype)
-        rec = torch.matmul(us, vt)  # [P, 2, n_max, d]; rows past n_i unused
+        rec = torch.matmul(us, vt).view(-1, d)  # [P, 2, n_max, d] as rows; rows past n_i unused
         # fill the flat slots by gathering rows (slot t <- pair p(t), row j(t)); a scatter would pile the unused
         # rows onto one sink row, which serialises on the GPU
-        n_ok = torch.where(ok, r.span_len_dev[i], torch.zeros_like(i))
+        n_ok = torch.where(ok, r.span_len_dev[i], 0)
         ends = torch.cumsum(n_ok, 0)
-        t = torch.arange(u, device=dev)
-        p_of = torch.searchsorted(ends, t, right=True).clamp_max(pair.numel() - 1)  # slot -> pair
+        t = self._slot_ids(u, dev)
+        p_of = torch.searchsorted(ends, t, right=True).clamp_max_(pair.numel() - 1)  # slot -> pair
         j_of = t - (ends - n_ok)[p_of]  # slot -> row within its span
-        slot_ok = t < ends[-1]
-        src = torch.where(slot_ok, p_of * b.n_max + j_of, torch.zeros_like(t))
+        slot_ok = (t < ends[-1]).view(-1, 1)
+        src = torch.where(slot_ok.view(-1), torch.add(j_of, p_of, alpha=2 * b.n_max), 0)  # its K row in rec (V: n_max on)
         if lay is None:
-            first = r.span_start_dev[i][p_of]
+            krows = r.rotate_doc(rec.index_select(0, src), r.span_start_dev[i][p_of] + j_of)
         else:  # a kept span's tokens are consecutive from its first block's slot
-            first = slots[g[p_of], lay.span_first_block.to(dev)[i[p_of]]]
-        krows = r.rotate(rec[:, 0].reshape(-1, d).index_select(0, src), first + j_of)
-        empty_slot = ~slot_ok.view(-1, 1)  # their rows come from an unfetched block: any bits, so select zeros
+            krows = r.rotate(rec.index_select(0, src), slots[g[p_of], lay.span_first_block.to(dev)[i[p_of]]] + j_of)
+        # empty slots' rows come from an unfetched block: any bits, so select zeros
         if self.fixed is not None:  # a per-layer-routed forward of a fixed-set memory (the scout pass): workspace rows
-            rk = krows.to(r.shape.dtype).masked_fill(empty_slot, 0)
-            rv = rec[:, 1].reshape(-1, d).index_select(0, src).masked_fill(empty_slot, 0)
+            rk = torch.where(slot_ok, krows.to(r.shape.dtype), 0)
+            rv = torch.where(slot_ok, rec.index_select(0, src + b.n_max), 0)
         else:
             rk, rv = self.rk[layer][:u], self.rv[layer][:u]
-            rk.copy_(krows.masked_fill(empty_slot, 0))
-            torch.index_select(rec[:, 1].reshape(-1, d), 0, src, out=rv)
-            rv.masked_fill_(empty_slot, 0)
+            empty = ~slot_ok
+            rk.copy_(krows.masked_fill_(empty, 0))
+            torch.index_select(rec, 0, src + b.n_max, out=rv)
+            rv.masked_fill_(empty, 0)
         # head h sees slot t iff t is filled, t's group is h's and h itself wanted t's span
         mine = r.head_group.view(1, -1) == g.view(-1, 1)  # [P, H]
         if r.head_masks:
             mine = mine & cand.t()[i]
-        visible = (mine.index_select(0, p_of) & slot_ok.view(-1, 1)).t()  # [H, U]
+        visible = (mine.index_select(0, p_of) & slot_ok).t()  # [H, U]
         # the question's tokens in as few chunks as keep each float32 score tensor [H, chunk, T | U] near SCOUT_CHUNK_BYTES
         q_chunk = max(16, SCOUT_CHUNK_BYTES // max(1, 4 * h * max(keys.shape[-2], u)))
         out = flat_attention(query, keys, values, resident_mask(expanded), rk, rv, visible, scaling, q_chunk=q_chunk)
-        self.ledger.count(layer, keep, expanded, words * 8)
+        if counted:
+            self.ledger.count(layer, keep, expanded, words * 8)
         return out
+
+    def _slot_ids(self, u: int, dev) -> torch.Tensor:
+        """0..u-1 on dev (the flat slots' ids), made once."""
+        held = getattr(self, "_slot_t", None)
+        if held is None or held.numel() != u or held.device != torch.device(dev):
+            held = self._slot_t = torch.arange(u, device=dev)
+        return held
 
     def _placed(self, layer: int, keys: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Re-positioned: keys [1, Hkv, T, d] with the base entries rotated to the slots of the kept blocks keep
