@@ -66,10 +66,16 @@ class FixedSets:
     def allocate(self, rows: int) -> None:
         r, L, devs = self.res, self.res.shape.n_layers, self.res.layer_devices
         r.kv.set_annex(rows)  # a realloc of the resident buffers
-        self.keep = [torch.zeros(self.hkv, r.n_blocks, dtype=torch.bool, device=dev) for dev in devs]
-        self.n = [torch.zeros(self.hkv, dtype=torch.long, device=dev) for dev in devs]
+        if r.split:
+            self.keep = [torch.zeros(self.hkv, r.n_blocks, dtype=torch.bool, device=dev) for dev in devs]
+            self.n = [torch.zeros(self.hkv, dtype=torch.long, device=dev) for dev in devs]
+        else:  # one device: every layer's table a view of one tensor, a fill's (the same for every layer) written once
+            self._keep_all = torch.zeros(L, self.hkv, r.n_blocks, dtype=torch.bool, device=r.device)
+            self._n_all = torch.zeros(L, self.hkv, dtype=torch.long, device=r.device)
+            self.keep, self.n = list(self._keep_all.unbind(0)), list(self._n_all.unbind(0))
         self.filled_for = [None] * L
         self.mask = [None] * L
+        self._mask_all = None
         self._folded_for = None
         #: re-positioned: each layer's base entries' slots under its set
         self.base_slots = [torch.zeros(self.hkv, r.n_base, dtype=torch.long, device=dev) for dev in devs]
@@ -120,15 +126,39 @@ class FixedSets:
         plan = self._plan(r, key, r.kv.annex_kv(layer)[0].shape[-2], query.shape[1])
         words = self._fill(r, layer, plan)
         spans, counts, rate = plan["stats"]
-        self.spans[layer].copy_(spans)
-        self.counts[layer].copy_(counts)
-        self.rate[layer].copy_(rate)
+        one = not self.res.split
+        if not one:
+            self.keep[layer].copy_(plan["keep"])
+            self.n[layer].copy_(plan["n"])
+            self.spans[layer].copy_(spans)
+            self.counts[layer].copy_(counts)
+            self.rate[layer].copy_(rate)
+        elif not plan.get("written"):  # one device: every layer fills the plan's set; its tables and stats at once
+            self._keep_all.copy_(plan["keep"])
+            self._n_all.copy_(plan["n"])
+            self.spans.copy_(spans)
+            self.counts.copy_(counts)
+            self.rate.copy_(rate)
+            plan["written"] = True
         self.filled_for[layer] = key
         out = self._joint_attention(layer, query, scaling, lim, fresh=True, expanded=plan["expanded"])
-        self.ledger.count(layer, plan["keep_s"], plan["exp_s"], words * 8, stats=plan["stats"])
+        if one:  # the stats of the layers that filled it counted together when the plan is done with (_count_filled)
+            plan.setdefault("filled", []).append(layer)
+            self.ledger.add_h2d(words * 8)
+        else:
+            self.ledger.count(layer, plan["keep_s"], plan["exp_s"], words * 8, stats=plan["stats"])
         if layer == len(self.filled_for) - 1:  # the last layer: the plan's tables (rotations of every row) are not kept
+            self._count_filled()
             self._plans = {}
         return out
+
+    def _count_filled(self, device=None) -> None:
+        """Count in the ledger the layers that filled the plans (of one device, or all) with their plan's stats."""
+        for dev, (_, plan) in getattr(self, "_plans", {}).items():
+            if device is None or dev == device:
+                layers = plan.pop("filled", None)
+                if layers:
+                    self.ledger.count_layers(plan["stats"], layers)
 
     def _plan(self, r: Residents, key, ug: int, h: int) -> dict:
         """What a fill takes from the ranking alone, the same for every layer (their block tables and row counts
@@ -138,6 +168,7 @@ class FixedSets:
         cached = getattr(self, "_plans", {}).get(r.device)
         if cached is not None and cached[0] == (key, ug, h):
             return cached[1]
+        self._count_filled(r.device)  # the plan replaced
         hkv, s, nb, dev = self.hkv, r.n_spans, r.n_blocks, r.device
         prio = self.ranking.on(dev).view(1, -1).expand(hkv, -1)
         pg = min(nb, ug // max(1, self.min_block) + 1)
@@ -171,7 +202,7 @@ class FixedSets:
             plan["base_slots"], plan["tokens"] = base_slots, r.layout.tokens(keep)
             start = slots.gather(1, blk)
         if r.pre_rope:  # each row's rotation, as Residents.rotate gives it
-            plan["cos"], plan["sin"] = rope.cos_sin((start + j_of).flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype)
+            plan["rot"] = rope.swapped(*rope.cos_sin((start + j_of).flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype))
         expanded = keep.repeat_interleave(h // hkv, 0)
         plan["expanded"], plan["keep_s"], plan["exp_s"] = expanded, r.span_level(keep), r.span_level(expanded)
         plan["stats"] = zoom_stats(plan["keep_s"], plan["exp_s"])  # the same for every layer: made once
@@ -187,21 +218,20 @@ class FixedSets:
         b = self.blocks[layer]
         rows, words = fb.fetch(b, plan["pair"], plan["fetch_ok"])
         us, vt = fb.unpack(b, rows, r.shape.dtype)
-        rec = torch.matmul(us, vt)  # [Hkv * pg, 2, n_max, d]; rows of pairs not fetched are unused
-        src = plan.get(("src", b.n_max))  # each row's source row: the same for every layer of a block length
+        rec = torch.matmul(us, vt).view(-1, d)  # [Hkv * pg, 2, n_max, d] as rows; rows of pairs not fetched are unused
+        src = plan.get(("src", b.n_max))  # each row's K and V source rows: the same for every layer of a block length
         if src is None:
-            src = plan[("src", b.n_max)] = plan["src_pair"] * b.n_max + plan["src_row"]
+            k = plan["src_pair"] * (2 * b.n_max) + plan["src_row"]
+            src = plan[("src", b.n_max)] = (k, k + b.n_max)
         if r.layout is not None:
             self.base_slots[layer].copy_(plan["base_slots"])
             self.ledger.count_positions(plan["tokens"])
-        krows = rec[:, 0].reshape(-1, d).index_select(0, src)
+        krows = rec.index_select(0, src[0])
         if r.pre_rope:
-            krows = rope.apply(krows.float(), plan["cos"], plan["sin"])
-        slot_ok = plan["slot_ok"]
-        ak[0].copy_(krows.masked_fill(~slot_ok, 0).view(hkv, ug, d))
-        av[0].copy_(rec[:, 1].reshape(-1, d).index_select(0, src).masked_fill(~slot_ok, 0).view(hkv, ug, d))
-        self.keep[layer].copy_(plan["keep"])
-        self.n[layer].copy_(plan["n"])
+            krows = rope.apply_swapped(krows.float(), *plan["rot"])
+        slot_ok = plan["slot_ok"]  # empty rows come from an unfetched block: any bits, so select zeros
+        ak[0].copy_(torch.where(slot_ok, krows, 0).view(hkv, ug, d))
+        av[0].copy_(torch.where(slot_ok, rec.index_select(0, src[1]), 0).view(hkv, ug, d))
         return words
 
     def _causal(self, q: int, dtype, dev) -> torch.Tensor:
@@ -223,8 +253,13 @@ class FixedSets:
         ug = jk.shape[-2] - cap
         dev = query.device
         if fresh:
+            one = not self.res.split
             if self.mask[layer] is None or self.mask[layer].shape[-1] != cap + ug:
-                self.mask[layer] = torch.empty(1, h, 1, cap + ug, dtype=query.dtype, device=dev)
+                if one:  # every layer's mask a view of one tensor: a plan's mask (the same for every layer) copied once
+                    self._mask_all = torch.empty(len(self.mask), 1, h, 1, cap + ug, dtype=query.dtype, device=dev)
+                    self.mask = list(self._mask_all.unbind(0))
+                else:
+                    self.mask[layer] = torch.empty(1, h, 1, cap + ug, dtype=query.dtype, device=dev)
             plan = getattr(self, "_plans", {}).get(r.device, (None, {}))[1]
             mk = plan.get("mask") if plan.get("expanded") is expanded else None
             if mk is None or mk[0] != (cap, ug, lim) or torch.is_tensor(lim):  # the same for every layer of a plan
@@ -237,7 +272,11 @@ class FixedSets:
                 mk = (cap, ug, lim), m.view(1, h, 1, -1)
                 if plan.get("expanded") is expanded and not torch.is_tensor(lim):
                     plan["mask"] = mk
-            self.mask[layer].copy_(mk[1])
+            if not one or torch.is_tensor(lim) or plan.get("mask") is not mk:
+                self.mask[layer].copy_(mk[1])
+            elif plan.get("mask_written", (None, None)) != (id(mk), id(self._mask_all)):
+                self._mask_all.copy_(mk[1])
+                plan["mask_written"] = (id(mk), id(self._mask_all))
         mask = self.mask[layer]
         if r.layout is not None:  # the base entries rotated to the set's slots (a copy: the buffer keeps them de-rotated)
             jk = jk.clone()
