@@ -165,12 +165,17 @@ def fetch(b: Blocks, pair: torch.Tensor, ok: torch.Tensor, count: bool = True) -
     word.  Five ops (a forward makes it once a layer): each pair's last word, each word's offset clamped to it, the
     block's start added in place, one gather."""
     last = torch.where(ok, b.last[pair], 0)
+    return gather(b, pair, last), (last.sum() + last.numel()) if count else None
+
+
+def gather(b: Blocks, pair: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """:func:`fetch`'s gather: the words 0..last[p] of each block pair[p] (the last one repeated to the stride)."""
     idx = torch.minimum(b.cols, last.view(-1, 1)).add_(pair.view(-1, 1), alpha=b.stride)
     if b.uva or b.src.device == pair.device:
         rows = b.src.index_select(0, idx.flatten())
     else:  # no mapped view (not pinned, or the runtime refused it): gather on the host, one copy
         rows = b.src.index_select(0, idx.flatten().cpu()).to(pair.device, non_blocking=True)
-    return rows.view(-1, b.stride), (last.sum() + last.numel()) if count else None
+    return rows.view(-1, b.stride)
 
 
 def unpack(b: Blocks, rows: torch.Tensor, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

@@ -51,6 +51,8 @@ class FixedSets:
         self.spans = torch.zeros(L, S, dtype=torch.bool, device=dev)
         self.counts = torch.zeros(L, S, dtype=torch.long, device=dev)
         self.rate = torch.zeros(L, dtype=torch.float64, device=dev)
+        #: one device: every layer's block table [L, Hkv * S] (the batched step stacks them), else None
+        self.last_all: torch.Tensor | None = None
 
     def key(self, u: int):
         """Identity of this forward's kept set when it cannot depend on the query (under a ranking), else None:
@@ -144,7 +146,8 @@ class FixedSets:
         out = self._joint_attention(layer, query, scaling, lim, fresh=True, expanded=plan["expanded"])
         if one:  # the stats of the layers that filled it counted together when the plan is done with (_count_filled)
             plan.setdefault("filled", []).append(layer)
-            self.ledger.add_h2d(words * 8)
+            if words is not None:
+                self.ledger.add_h2d(words * 8)
         else:
             self.ledger.count(layer, plan["keep_s"], plan["exp_s"], words * 8, stats=plan["stats"])
         if layer == len(self.filled_for) - 1:  # the last layer: the plan's tables (rotations of every row) are not kept
@@ -159,6 +162,9 @@ class FixedSets:
                 layers = plan.pop("filled", None)
                 if layers:
                     self.ledger.count_layers(plan["stats"], layers)
+                    if "words" in plan:  # the words each layer fetched, made once in the plan
+                        w = plan["words"]
+                        self.ledger.add_h2d((w.sum() if len(layers) == w.numel() else w[layers].sum()) * 8)
 
     def _plan(self, r: Residents, key, ug: int, h: int) -> dict:
         """What a fill takes from the ranking alone, the same for every layer (their block tables and row counts
@@ -191,6 +197,9 @@ class FixedSets:
         blk = idx.gather(1, p_of)  # row t of group g <- block blk, its row j_of, from the pair that fetched its span
         keep = torch.zeros(hkv, nb, dtype=torch.bool, device=dev).scatter_(1, idx, ok)
         plan = {"pair": (grp * s + span).flatten(), "fetch_ok": fetch_ok.flatten(), "slot_ok": slot_ok, "keep": keep, "n": ends[:, -1]}
+        if self.last_all is not None and not self.res.split:  # each layer's last word of each pair, and words fetched
+            plan["last"] = torch.where(plan["fetch_ok"], self.last_all[:, plan["pair"]], 0)  # [L, Hkv * pg]
+            plan["words"] = plan["last"].sum(1) + plan["pair"].numel()
         # each row's source in the rebuilt [Hkv * pg, n_max] rows: pair, row (n_max: each layer's own, at the fill)
         ok_t = slot_ok.view(hkv, ug)
         plan["src_pair"] = torch.where(ok_t, grp * pg + first.gather(1, p_of), torch.zeros_like(t)).flatten()
@@ -216,7 +225,10 @@ class FixedSets:
         ak, av = r.kv.annex_kv(layer)
         ug = ak.shape[-2]
         b = self.blocks[layer]
-        rows, words = fb.fetch(b, plan["pair"], plan["fetch_ok"])
+        if "last" in plan:  # one device: the words are counted for all layers at once (_count_filled)
+            rows, words = fb.gather(b, plan["pair"], plan["last"][layer]), None
+        else:
+            rows, words = fb.fetch(b, plan["pair"], plan["fetch_ok"])
         us, vt = fb.unpack(b, rows, r.shape.dtype)
         rec = torch.matmul(us, vt).view(-1, d)  # [Hkv * pg, 2, n_max, d] as rows; rows of pairs not fetched are unused
         src = plan.get(("src", b.n_max))  # each row's K and V source rows: the same for every layer of a block length
@@ -231,7 +243,10 @@ class FixedSets:
             krows = rope.apply_swapped(krows.float(), *plan["rot"])
         slot_ok = plan["slot_ok"]  # empty rows come from an unfetched block: any bits, so select zeros
         ak[0].copy_(torch.where(slot_ok, krows, 0).view(hkv, ug, d))
-        av[0].copy_(torch.where(slot_ok, rec.index_select(0, src[1]), 0).view(hkv, ug, d))
+        zero = plan.get(("zero", rec.dtype))
+        if zero is None:
+            zero = plan[("zero", rec.dtype)] = torch.zeros((), dtype=rec.dtype, device=rec.device)
+        torch.where(slot_ok.view(hkv, ug, 1), rec.index_select(0, src[1]).view(hkv, ug, d), zero, out=av[0])
         return words
 
     def _causal(self, q: int, dtype, dev) -> torch.Tensor:
@@ -287,8 +302,15 @@ class FixedSets:
         elif not fresh:
             mask[..., lim - q : lim] = 0.0
         if q > 1:  # causal among the new tokens
-            mask = mask.expand(1, h, q, cap + ug).clone()
-            mask[0, :, :, lim - q : lim].add_(self._causal(q, mask.dtype, dev))
+            shared = fresh and not self.res.split and not torch.is_tensor(lim) and plan.get("mask") is mk
+            held = plan.get("causal_mask") if shared else None  # a plan's: the same for every layer (one device)
+            if held is None or held[0] != (lim, q):
+                built = mask.expand(1, h, q, cap + ug).clone()
+                built[0, :, :, lim - q : lim].add_(self._causal(q, mask.dtype, dev))
+                held = ((lim, q), built)
+                if shared:
+                    plan["causal_mask"] = held
+            mask = held[1]
         if SDPA_LAYOUT == "packed":
             return grouped_attention(query, jk, jv, mask, scaling)
         if SDPA_LAYOUT == "math":

@@ -182,6 +182,13 @@ class BatchedStep:
         self.rv: list[torch.Tensor] = []
         self.head_group = res.head_group  # query head -> KV group (each device's: res.at(device).head_group)
         self.fixed = FixedSets(res, ledger, ranking, self.blocks) if ranking is not None else None
+        if self.fixed is not None and not res.split and self.blocks:
+            # every layer's block table a view of one [L, Hkv * S] tensor (the same bytes): a fixed set's fetch reads
+            # each pair's last word for all layers at once
+            last = torch.stack([b.last for b in self.blocks])
+            for i, b in enumerate(self.blocks):
+                b.last = last[i]
+            self.fixed.last_all = last
         self.g_len = torch.zeros((), dtype=torch.long, device=res.device)  # static steps: the visible length
         self.base: torch.Tensor | None = None  # re-positioned: the last routed layer's rotated base keys (the scout reads them)
 
