@@ -294,3 +294,33 @@ def test_one_device_fill_counts_each_layers_zoom():
         rates.append(float(seen.double().mean()))
     assert stats[0][0] == {i: int(c) for i, c in enumerate(counts.tolist()) if c}
     assert stats[0][1] == pytest.approx(rates)
+
+
+def test_warm_kernels_runs_the_question_path_on_made_up_inputs():
+    """The warm-up (run on CUDA on the blocks' thread) runs on a memory's real blocks and the model's shape, leaves the
+    global random state alone, and changes no block (the answers then are those of a memory without it)."""
+    from sekv_core.sekv import gpu_step
+
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=300, budget=0.3, min_span=10, window=16)
+    mem.batched = True
+    mem._step()
+    words = [b.words.clone() for b in mem.step.blocks]
+    state = torch.get_rng_state()
+    with torch.inference_mode():
+        gpu_step.warm_kernels(mem.step.blocks, mem.res.shape, "cpu", mem.res.n_spans)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(torch.equal(w, b.words) for w, b in zip(words, mem.step.blocks))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_block_build_warms_the_kernels_without_error():
+    """On CUDA the blocks' thread runs the warm-up after the build: it raises nothing, and the build's result does not
+    wait for it."""
+    from sekv_core.sekv import gpu_step
+
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.5, min_span=10)
+    build = gpu_step.BlockBuild(lambda: gpu_step._Source(store, res.shape, torch.device("cuda", torch.cuda.current_device())))
+    blocks = build.result()
+    build.join()
+    assert build.warm_error is None, repr(build.warm_error)
+    assert blocks and all(b.last.is_cuda for b in blocks)

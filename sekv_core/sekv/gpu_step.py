@@ -29,8 +29,8 @@ import threading
 import torch
 
 from . import blocks as fb
-from . import rope, scout
-from .attention import build_mask, flat_attention, select_topk
+from . import rope, router, scout
+from .attention import build_mask, flat_attention, route, select_topk
 from .budget import ZoomLedger
 from .fixed_set import FixedSets
 from .residents import Residents
@@ -78,6 +78,60 @@ def device_groups(devices: list) -> list[tuple[torch.device, list[int]]]:
     return list(groups.items())
 
 
+#: on CUDA, after the factor blocks are built on their thread (BlockBuild), run the question path's kinds of kernels
+#: once on small inputs of the pack's and the model's shapes (:func:`warm_kernels`), so that their first use (lazy
+#: kernel loading, cuBLAS and cuDNN set-up) is paid beside the model load rather than in the first question;
+#: benchmarks/cli_probe.py turns it off with $SEKV_PROBE_WARM=0 (to compare)
+WARM_KERNELS = True
+
+
+def warm_kernels(blocks: list[fb.Blocks], shape, device, n_spans: int, n_q: int = 32) -> None:
+    """The kernels of a question's scout pass and first forward, each run once on made-up inputs on ``device``: a
+    fetch, dequantisation and rebuild of a layer's real factor blocks (the model dtype and float32), the routing's
+    gates and top-P, the slots' tables, a rotation, the flat attention, the scout's segmented logsumexp and z-scores,
+    and the fixed sets' masked SDPA for several question tokens and for one.  Nothing it makes is kept; the
+    stream is synchronised at the end (the caller's thread waits, not the question)."""
+    if not blocks:
+        return
+    dev, dt = torch.device(device), shape.dtype
+    h, hkv, d = shape.n_heads, shape.n_kv_heads, shape.head_dim
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*size, dtype=torch.float32):
+        return torch.randn(*size, generator=g).to(dev, dtype)
+
+    b = blocks[0]
+    s = max(1, min(n_spans, 512))
+    pairs = min(hkv * s, 64)
+    pair = torch.arange(pairs, device=dev)
+    rows, _ = fb.fetch(b, pair, pair < pairs - 1)
+    for dtype in (dt, torch.float32):
+        us, vt = fb.unpack(b, rows, dtype)
+        rec = torch.matmul(us, vt).view(-1, d)
+    q = rand(1, h, n_q, d, dtype=dt)
+    logits = router.gate_logits(q[0], rand(hkv, 8, d, dtype=dt), rand(hkv, s, d, dtype=dt), rand(hkv, s).abs(), rand(s))
+    cand, prio = route(logits, rand(h), hkv)
+    top, ok = select_topk(prio, torch.full((s,), 16, device=dev), 16 * pairs, pairs)
+    ends = torch.cumsum(torch.where(ok, 16, 0), 0)
+    t = torch.arange(16 * pairs, device=dev)
+    p_of = torch.searchsorted(ends, t, right=True).clamp_max_(pairs - 1)
+    src = torch.where(t < ends[-1], t - (ends - 16)[p_of], 0)
+    cos, sin = rope.cos_sin(src, torch.rand(d // 2, generator=g).to(dev), dtype=dt)
+    krows = rope.apply_swapped(rec.index_select(0, src.clamp_max(rec.shape[0] - 1)).float(), *rope.swapped(cos, sin))
+    T = 256
+    keys, values = rand(1, hkv, T, d, dtype=dt), rand(1, hkv, T, d, dtype=dt)
+    mask = torch.zeros(1, h, n_q, T, device=dev)
+    flat_attention(q, keys, values, mask, krows.to(dt), krows.to(dt), cand.index_select(1, p_of.remainder(s)), 0.125)
+    lse = torch.logsumexp(rand(2, pairs, n_q, 16), dim=-1)
+    sums = torch.zeros(2, pairs, n_q, 4, device=dev).scatter_add_(3, torch.zeros(2, pairs, n_q, 16, dtype=torch.long, device=dev), rand(2, pairs, n_q, 16).exp_())
+    scout.zscore(scout.block_masses(torch.cat([lse.view(2, 1, pairs, n_q), sums.log()[..., 0].view(2, 1, pairs, n_q)], 2), rand(2, 1, n_q)))
+    for n in (n_q, 1):  # the fixed sets' SDPA: the question's forward and a single-token step
+        m = torch.zeros(1, h, n, T, dtype=dt, device=dev)
+        torch.nn.functional.scaled_dot_product_attention(q[:, :, :n], keys, values, attn_mask=m, scale=0.125, enable_gqa=hkv != h)
+    if dev.type == "cuda":
+        torch.cuda.current_stream(dev).synchronize()
+
+
 class BlockBuild:
     """:func:`build_blocks` on a second thread, started when the pack opens, so that the first question finds the
     blocks made (or waits only for the rest) instead of building them inside its scout pass: in `sekv chat` they
@@ -90,6 +144,8 @@ class BlockBuild:
         reads of one (start_blocks: the checks of the pack, then its factors)."""
         self._blocks: list[fb.Blocks] | None = None
         self._error: BaseException | None = None
+        self.warm_error: Exception | None = None  # what warm_kernels raised (the blocks are built; nothing else depends on it)
+        self._built = threading.Event()  # set once the blocks are built or failed (the warm-up after them is not waited for)
         self._thread = threading.Thread(target=self._run, args=(res,), name="sekv-blocks")
         self._thread.start()
 
@@ -102,17 +158,30 @@ class BlockBuild:
                 self._blocks = build_blocks(res)
         except BaseException as e:  # noqa: BLE001 - handed to result()
             self._error = e
+            return
+        finally:
+            self._built.set()
+        if res.cuda and WARM_KERNELS:
+            try:
+                with torch.inference_mode(), torch.cuda.device(res.device):
+                    warm_kernels(self._blocks, res.shape, res.device, int(res.span_len.numel()))
+            except Exception as e:  # noqa: BLE001 - a warm-up only saves time: the question runs (and meets any error) as before
+                self.warm_error = e
 
     def result(self) -> list[fb.Blocks]:
-        self._thread.join()
+        self._built.wait()
         if self._error is not None:
             raise self._error
         return self._blocks
 
     def result_or_none(self) -> list[fb.Blocks] | None:
         """The blocks, or None where the build failed (the caller builds them itself, and meets the error there)."""
-        self._thread.join()
+        self._built.wait()
         return None if self._error is not None else self._blocks
+
+    def join(self) -> None:
+        """Wait for the thread itself (the build and the warm-up after it)."""
+        self._thread.join()
 
 
 def _device(device) -> torch.device:
