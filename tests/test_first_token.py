@@ -324,3 +324,16 @@ def test_cuda_block_build_warms_the_kernels_without_error():
     build.join()
     assert build.warm_error is None, repr(build.warm_error)
     assert blocks and all(b.last.is_cuda for b in blocks)
+
+
+def test_single_token_steps_wait_for_the_blocks_thread():
+    """The blocks' thread (its warm-up after the build) has ended before the first single-token step, which CUDA may
+    capture (another thread's allocations or copies during a capture would break it)."""
+    from sekv_core.generate import generate
+    from sekv_core.sekv import gpu_step
+
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=300, budget=0.3, min_span=10, window=16)
+    mem.batched = True
+    mem._blocks = build = gpu_step.BlockBuild(mem.res)
+    generate(model, mem, QUESTION, max_new_tokens=3, stop_ids=set(), graphs=True)
+    assert mem._warming is None and not build._thread.is_alive()
