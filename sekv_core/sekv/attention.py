@@ -188,6 +188,7 @@ def flat_attention(
     visible: torch.Tensor,
     scaling: float,
     q_chunk: int = 16,
+    coarse_hidden: tuple[int, int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One softmax over the resident memory and a flat list of reconstructed tokens.
 
@@ -195,6 +196,8 @@ def flat_attention(
     resident_mask [1, H, q, T]; rk / rv [U, d]: reconstructed tokens of every KV group, one flat list;
     visible [H, U] bool: which of them each query head sees (its group's tokens of spans it expanded).
     Equal to ``mixed_attention`` over the per-group layout of ``place`` (tests), in float32.
+    coarse_hidden (a, b, hidden [H, b - a] bool): resident columns a..b-1 are also hidden where ``hidden`` holds (the coarse
+    entries of the spans a head expanded, over a mask made once for every layer: no copy of it a layer).
     """
     _, h, q, d = query.shape
     hkv, t = keys.shape[1], keys.shape[2]
@@ -207,6 +210,9 @@ def flat_attention(
         qf = query[0, :, a : a + q_chunk].float()  # [H, qc, d]
         qc = qf.shape[1]
         sa = torch.matmul(qf.reshape(hkv, g * qc, d), kf.transpose(1, 2)).view(h, qc, t) * scaling + resident_mask[0, :, a : a + qc].float()
+        if coarse_hidden is not None:
+            c0, c1, hidden = coarse_hidden
+            sa[:, :, c0:c1].masked_fill_(hidden.unsqueeze(1), NEG_INF)
         # [U, d] x [d, H q], transposed: a tall product that cuBLAS runs on tensor cores (TF32 where enabled)
         sb = (torch.matmul(rkf, qf.reshape(h * qc, d).t()).t().view(h, qc, -1) * scaling).masked_fill(hide, NEG_INF)
         m = sa.amax(-1, keepdim=True)

@@ -341,6 +341,8 @@ class BatchedStep:
             m[0, :, :, r.n_full : r.n_base].masked_fill_(expanded.unsqueeze(1), float("-inf"))
             return m
 
+        resident_mask.open, resident_mask.coarse = base, (r.n_full, r.n_base)  # flat_attention hides them itself (_routed)
+
         with _tf32(query.is_cuda and query.dtype != torch.float32):
             return self._core(layer, query, keys, values, resident_mask, scaling, r.kv.len[layer])
 
@@ -425,7 +427,11 @@ class BatchedStep:
         visible = (mine.index_select(0, p_of) & slot_ok).t()  # [H, U]
         # the question's tokens in as few chunks as keep each float32 score tensor [H, chunk, T | U] near SCOUT_CHUNK_BYTES
         q_chunk = max(16, SCOUT_CHUNK_BYTES // max(1, 4 * h * max(keys.shape[-2], u)))
-        out = flat_attention(query, keys, values, resident_mask(expanded), rk, rv, visible, scaling, q_chunk=q_chunk)
+        opened = getattr(resident_mask, "open", None)
+        if opened is not None:  # the forward's mask with nothing expanded, the expanded coarse entries hidden in the scores
+            out = flat_attention(query, keys, values, opened, rk, rv, visible, scaling, q_chunk=q_chunk, coarse_hidden=(*resident_mask.coarse, expanded))
+        else:
+            out = flat_attention(query, keys, values, resident_mask(expanded), rk, rv, visible, scaling, q_chunk=q_chunk)
         if counted:
             self.ledger.count(layer, keep, expanded, words * 8)
         return out
