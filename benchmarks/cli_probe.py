@@ -16,7 +16,8 @@ timers, synchronising CUDA at their ends, and writes one JSON record to $SEKV_PR
   asks        one entry per question: wall seconds, the answer's DecodeStats, captures during it
   gpu         weights' bytes, peak allocated / reserved at exit
 
-$SEKV_PROBE_FIXED_SDPA=gqa|packed|math: how sekv's fixed sets make their SDPA call (sekv/fixed_set.py
+$SEKV_PROBE_WARM=0: no warm-up of the question's kernels on the factor blocks' thread (sekv/gpu_step.py
+WARM_KERNELS; default on), to compare.  $SEKV_PROBE_FIXED_SDPA=gqa|packed|math: how sekv's fixed sets make their SDPA call (sekv/fixed_set.py
 SDPA_LAYOUT; default gqa), to compare the kernels the device picks.  $SEKV_PROBE_PROFILE=PATH: the whole CLI under cProfile (PATH.prof, and PATH.txt: the top functions by
 cumulative time).  $SEKV_PROBE_TORCH=PATH: each ask under torch.profiler (PATH.txt: operators by CUDA and by CPU
 time).  $SEKV_PROBE_TORCH_TABLE=FILE: the first $SEKV_PROBE_TORCH_ASKS (default 2) asks under torch.profiler, a
@@ -120,6 +121,9 @@ def _install() -> None:
     wrap(gpu_step, "build_blocks", "sekv_step_build")
     wrap(gpu_step.BlockBuild, "result", "sekv_blocks_wait")
     wrap(gpu_step.BlockBuild, "result_or_none", "sekv_blocks_wait")  # the build started before the model load
+    if os.environ.get("SEKV_PROBE_WARM") == "0":  # no warm-up of the question's kernels on the blocks' thread
+        gpu_step.WARM_KERNELS = False
+    RECORD["warm_kernels"] = gpu_step.WARM_KERNELS
     if os.environ.get("SEKV_PROBE_FIXED_SDPA"):  # how sekv's fixed sets call SDPA (sekv/fixed_set.py SDPA_LAYOUT)
         import sekv_core.sekv.fixed_set as fixed_set
 

@@ -248,6 +248,7 @@ def summarize(rec: dict) -> dict:
         "step_build_s": g("sekv_step_build"),  # the batched step's blocks, on a second thread from the open
         "blocks_wait_s": g("sekv_blocks_wait"),  # what the first scout waited for them
         "fixed_sdpa": ap.get("fixed_sdpa", "gqa"),  # $SEKV_PROBE_FIXED_SDPA
+        "warm_kernels": ap.get("warm_kernels"),  # $SEKV_PROBE_WARM
         "ttft_s": st.get("ttft_s", (js.get("timings") or {}).get("ttft_s")),
         "tok_per_s": st.get("tokens_per_s", (js.get("timings") or {}).get("tokens_per_s")),
         "generated": st.get("generated_tokens"),

@@ -228,3 +228,112 @@ def test_cuda_memory_takes_up_the_blocks_started_before_it_opened():
     assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
     for a, b in zip(own.step.blocks, early.step.blocks):
         assert torch.equal(a.words, b.words)
+
+
+# -- fewer ops before the first token: the same values (sekv/rope.py, residents.py, fixed_set.py) ---------------
+
+
+@pytest.mark.parametrize("d", [8, 64])
+def test_swapped_rotation_is_the_models_rotation_exactly(d):
+    """rotate_half(x) * sin as x with its halves swapped times a half-negated sin: bit for bit the model's rotation."""
+    from sekv_core.sekv import rope
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, d, generator=g) * 10
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    pos = torch.randint(0, 40000, (37,), generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        cos, sin = rope.cos_sin(pos, inv, dtype=dtype)
+        assert torch.equal(rope.apply_swapped(x, *rope.swapped(cos, sin)), rope.apply(x, cos, sin))
+
+
+def test_rotation_table_gives_the_computed_rotation(monkeypatch):
+    """Residents.rotate_doc (a table of every document position) equals Residents.rotate (computed at each call)
+    exactly, with or without the table (a document past ROPE_TABLE_BYTES); rows past the document do not fail."""
+    from sekv_core.sekv import residents
+
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=300, budget=0.3, min_span=10, window=16)
+    r = mem.res
+    assert r.pre_rope
+    rows = torch.randn(50, r.shape.head_dim, generator=torch.Generator().manual_seed(4))
+    pos = torch.randint(0, r.n_doc, (50,), generator=torch.Generator().manual_seed(5))
+    want = r.rotate(rows, pos)
+    assert torch.equal(r.rotate_doc(rows, pos), want)
+    assert r.rotate_doc(rows, pos + r.n_doc).shape == rows.shape  # positions past the document: read the last one's
+    r._rope_tables.clear()
+    monkeypatch.setattr(residents, "ROPE_TABLE_BYTES", 0)
+    assert torch.equal(r.rotate_doc(rows, pos), want) and r._rope_tables[r.device] is None
+
+
+def test_one_device_fill_counts_each_layers_zoom():
+    """A fixed set filled on one device records its stats once for all layers: the ask's span counts and zoom rate
+    per layer are what each layer's kept blocks give (computed here from fixed.keep), and the bytes fetched what a
+    fetch a layer counts (the stacked block tables removed: each layer counts its own fetch)."""
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.3, min_span=10, window=16)
+    q = torch.tensor([QUESTION])
+    stats, h2d = [], []
+    for stacked in (True, False):
+        m = _batched(store, p, res)
+        m._step()
+        assert (m.step.fixed.last_all is not None) and all(b.last.data_ptr() == m.step.fixed.last_all[i].data_ptr() for i, b in enumerate(m.step.blocks))
+        if not stacked:
+            m.step.fixed.last_all = None
+        _scout_and_first_logits(model, m, q)
+        x = m.step_stats().extra
+        stats.append((x["span_zoom_counts"], x["zoom_rate_per_layer"]))
+        h2d.append(x["h2d_bytes_step"])
+    assert stats[0] == stats[1] and h2d[0] == h2d[1] > 0
+    r, f = m.res, m.step.fixed
+    g = r.shape.n_heads // r.shape.n_kv_heads
+    counts, rates = torch.zeros(r.n_spans, dtype=torch.long), []
+    for layer in range(r.shape.n_layers):
+        keep = f.keep[layer].cpu()
+        assert keep.any()
+        seen = (torch.zeros(keep.shape[0], r.n_spans).index_add_(1, r.block_span, keep.float()) > 0).repeat_interleave(g, 0)  # [H, S]
+        counts += seen.long().sum(0)
+        rates.append(float(seen.double().mean()))
+    assert stats[0][0] == {i: int(c) for i, c in enumerate(counts.tolist()) if c}
+    assert stats[0][1] == pytest.approx(rates)
+
+
+def test_warm_kernels_runs_the_question_path_on_made_up_inputs():
+    """The warm-up (run on CUDA on the blocks' thread) runs on a memory's real blocks and the model's shape, leaves the
+    global random state alone, and changes no block (the answers then are those of a memory without it)."""
+    from sekv_core.sekv import gpu_step
+
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=300, budget=0.3, min_span=10, window=16)
+    mem.batched = True
+    mem._step()
+    words = [b.words.clone() for b in mem.step.blocks]
+    state = torch.get_rng_state()
+    with torch.inference_mode():
+        gpu_step.warm_kernels(mem.step.blocks, mem.res.shape, "cpu", mem.res.n_spans)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(torch.equal(w, b.words) for w, b in zip(words, mem.step.blocks))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_block_build_warms_the_kernels_without_error():
+    """On CUDA the blocks' thread runs the warm-up after the build: it raises nothing, and the build's result does not
+    wait for it."""
+    from sekv_core.sekv import gpu_step
+
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.5, min_span=10)
+    build = gpu_step.BlockBuild(lambda: gpu_step._Source(store, res.shape, torch.device("cuda", torch.cuda.current_device())))
+    blocks = build.result()
+    build.join()
+    assert build.warm_error is None, repr(build.warm_error)
+    assert blocks and all(b.last.is_cuda for b in blocks)
+
+
+def test_single_token_steps_wait_for_the_blocks_thread():
+    """The blocks' thread (its warm-up after the build) has ended before the first single-token step, which CUDA may
+    capture (another thread's allocations or copies during a capture would break it)."""
+    from sekv_core.generate import generate
+    from sekv_core.sekv import gpu_step
+
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=300, budget=0.3, min_span=10, window=16)
+    mem.batched = True
+    mem._blocks = build = gpu_step.BlockBuild(mem.res)
+    generate(model, mem, QUESTION, max_new_tokens=3, stop_ids=set(), graphs=True)
+    assert mem._warming is None and not build._thread.is_alive()

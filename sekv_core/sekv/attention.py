@@ -17,6 +17,8 @@ logit, kept while the cumulative reconstruction bytes fit the cap.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -55,7 +57,7 @@ def route(logits: torch.Tensor, logit_tau: torch.Tensor, n_kv: int) -> tuple[tor
     h, _, s = logits.shape
     lg = logits.amax(1)
     cand = lg > logit_tau.view(h, 1)
-    prio = torch.where(cand, lg, torch.full_like(lg, NEG_INF)).view(n_kv, h // n_kv, s).amax(1)
+    prio = torch.where(cand, lg, NEG_INF).view(n_kv, h // n_kv, s).amax(1)
     return cand, prio
 
 
@@ -156,6 +158,10 @@ def select_topk(priority: torch.Tensor, cost: torch.Tensor, cap: float | None, p
 
     P = min(p_max, Hkv * S); with p_max at least the number of pairs the cap can hold, the kept pairs
     (``ok``) are exactly :func:`select`'s (up to the order of equal priorities).  No host sync.
+
+    ``ok`` is a prefix without a running product: the priorities come sorted (``> -inf`` holds for a prefix) and the
+    costs are >= 0 (their running sum stays within the cap for a prefix).  Integer costs are summed as integers
+    against the cap's floor (what a float64 sum of integers below 2^53 compares to the cap).
     """
     hkv, s = priority.shape
     flat = priority.flatten()
@@ -163,9 +169,12 @@ def select_topk(priority: torch.Tensor, cost: torch.Tensor, cap: float | None, p
     top, pair = torch.topk(flat, k, sorted=True)
     ok = top > NEG_INF
     if cap is not None:
-        c = cost.to(torch.float64)[pair % s]
-        ok = ok & (torch.cumsum(c, 0) <= float(cap))
-    ok = torch.cumprod(ok.to(torch.int8), 0).bool()
+        c = cost[pair % s]
+        if c.is_floating_point():
+            c, cap = c.to(torch.float64), float(cap)
+        else:
+            cap = math.floor(cap)
+        ok = ok & (torch.cumsum(c, 0) <= cap)
     return pair, ok
 
 
@@ -179,6 +188,7 @@ def flat_attention(
     visible: torch.Tensor,
     scaling: float,
     q_chunk: int = 16,
+    coarse_hidden: tuple[int, int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One softmax over the resident memory and a flat list of reconstructed tokens.
 
@@ -186,6 +196,8 @@ def flat_attention(
     resident_mask [1, H, q, T]; rk / rv [U, d]: reconstructed tokens of every KV group, one flat list;
     visible [H, U] bool: which of them each query head sees (its group's tokens of spans it expanded).
     Equal to ``mixed_attention`` over the per-group layout of ``place`` (tests), in float32.
+    coarse_hidden (a, b, hidden [H, b - a] bool): resident columns a..b-1 are also hidden where ``hidden`` holds (the coarse
+    entries of the spans a head expanded, over a mask made once for every layer: no copy of it a layer).
     """
     _, h, q, d = query.shape
     hkv, t = keys.shape[1], keys.shape[2]
@@ -198,6 +210,9 @@ def flat_attention(
         qf = query[0, :, a : a + q_chunk].float()  # [H, qc, d]
         qc = qf.shape[1]
         sa = torch.matmul(qf.reshape(hkv, g * qc, d), kf.transpose(1, 2)).view(h, qc, t) * scaling + resident_mask[0, :, a : a + qc].float()
+        if coarse_hidden is not None:
+            c0, c1, hidden = coarse_hidden
+            sa[:, :, c0:c1].masked_fill_(hidden.unsqueeze(1), NEG_INF)
         # [U, d] x [d, H q], transposed: a tall product that cuBLAS runs on tensor cores (TF32 where enabled)
         sb = (torch.matmul(rkf, qf.reshape(h * qc, d).t()).t().view(h, qc, -1) * scaling).masked_fill(hide, NEG_INF)
         m = sa.amax(-1, keepdim=True)
@@ -207,4 +222,4 @@ def flat_attention(
         z = pa.sum(-1, keepdim=True) + pb.sum(-1, keepdim=True)
         o = torch.matmul(pa.view(hkv, g * qc, t), vf).view(h, qc, d) + torch.matmul(pb.view(h * qc, -1), rvf).view(h, qc, d)
         outs.append(o / z)
-    return torch.cat(outs, 1).to(query.dtype).unsqueeze(0)
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, 1)).to(query.dtype).unsqueeze(0)

@@ -60,7 +60,7 @@ class Blocks:
     words: torch.Tensor  # [Hkv * S * stride] int64, host (pinned on CUDA)
     src: torch.Tensor  # what the gather reads: the device alias of ``words`` on CUDA, else ``words``
     stride: int  # words per block
-    used: torch.Tensor  # [Hkv * S] int32 used words per block (device)
+    last: torch.Tensor  # [Hkv * S] int32: each block's last used word (its used words - 1), on the device
     sections: tuple[int, int, int, int]  # byte offsets of Vt, vt_scale, us_scale, U*sigma
     dtype: torch.dtype  # factor element type
     int8: bool
@@ -68,10 +68,16 @@ class Blocks:
     n_max: int
     d: int
     uva: bool
+    cols: torch.Tensor  # [1, stride] long: 0..stride-1 on the device (a fetch's word offsets; a constant, not a table)
+
+    @property
+    def used(self) -> torch.Tensor:
+        """[Hkv * S] int32 used words per block (a fetch reads a block's words up to its last)."""
+        return self.last + 1
 
     def index_bytes(self) -> int:
         """Device bytes of the block table (counted as resident)."""
-        return self.used.numel() * self.used.element_size()
+        return self.last.numel() * self.last.element_size()
 
 
 def build(f: fz.Factors, span_len: torch.Tensor, d: int, device, pin: bool, work_device=None, r_max: int | None = None,
@@ -137,7 +143,7 @@ def build(f: fz.Factors, span_len: torch.Tensor, d: int, device, pin: bool, work
         words=words,
         src=view if view is not None else words,
         stride=stride,
-        used=used.flatten().clamp_min(1).to(device, torch.int32),
+        last=(used.flatten().clamp_min(1) - 1).to(device, torch.int32),
         sections=(oa, ob, oc, od),
         dtype=dt,
         int8=int8,
@@ -145,6 +151,7 @@ def build(f: fz.Factors, span_len: torch.Tensor, d: int, device, pin: bool, work
         n_max=nm,
         d=d,
         uva=view is not None,
+        cols=torch.arange(stride, device=device).view(1, -1),
     )
 
 
@@ -152,17 +159,23 @@ def _al_i(x: int) -> int:
     return (x + _A - 1) // _A * _A
 
 
-def fetch(b: Blocks, pair: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fetch(b: Blocks, pair: torch.Tensor, ok: torch.Tensor, count: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows of the blocks ``pair`` [P] (flat g * S + i) -> (fetched words [P, stride] on the compute device,
-    words actually transferred, a 0-d device tensor).  Pairs with ``ok`` False read one word."""
-    used = torch.where(ok, b.used[pair].long(), torch.ones_like(pair))
-    j = torch.arange(b.stride, device=pair.device).view(1, -1)
-    idx = pair.view(-1, 1) * b.stride + torch.minimum(j, used.view(-1, 1) - 1)
+    words actually transferred, a 0-d device tensor; None where not ``count``).  Pairs with ``ok`` False read one
+    word.  Five ops (a forward makes it once a layer): each pair's last word, each word's offset clamped to it, the
+    block's start added in place, one gather."""
+    last = torch.where(ok, b.last[pair], 0)
+    return gather(b, pair, last), (last.sum() + last.numel()) if count else None
+
+
+def gather(b: Blocks, pair: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """:func:`fetch`'s gather: the words 0..last[p] of each block pair[p] (the last one repeated to the stride)."""
+    idx = torch.minimum(b.cols, last.view(-1, 1)).add_(pair.view(-1, 1), alpha=b.stride)
     if b.uva or b.src.device == pair.device:
         rows = b.src.index_select(0, idx.flatten())
     else:  # no mapped view (not pinned, or the runtime refused it): gather on the host, one copy
         rows = b.src.index_select(0, idx.flatten().cpu()).to(pair.device, non_blocking=True)
-    return rows.view(-1, b.stride), used.sum()
+    return rows.view(-1, b.stride)
 
 
 def unpack(b: Blocks, rows: torch.Tensor, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,7 +186,7 @@ def unpack(b: Blocks, rows: torch.Tensor, dtype=torch.float32) -> tuple[torch.Te
     """
     p = rows.shape[0]
     nm, rm, d, dt = b.n_max, b.r_max, b.d, b.dtype
-    es = torch.empty(0, dtype=dt).element_size()
+    es = dt.itemsize
     oa, ob, oc, od = b.sections
     by = rows.view(torch.uint8)
     vt = by[:, oa : oa + 2 * rm * d * es].view(dt).reshape(p, 2, rm, d).to(dtype)

@@ -95,6 +95,23 @@ class ZoomLedger:
         self.h2d_step += h2d_bytes
         self.h2d_total += h2d_bytes
 
+    def count_layers(self, stats, layers: list[int]) -> None:
+        """:meth:`count` of several layers at once whose zoom is the same (a fixed set's fill on one device: its stats,
+        made once), their bytes moved apart (:meth:`add_h2d`)."""
+        spans, counts, rate = stats
+        self.step_spans |= spans
+        self.ask_spans |= spans
+        self.span_counts.add_(counts, alpha=len(layers))
+        if len(layers) == self.rate_sum.numel() and len(set(layers)) == len(layers):
+            self.rate_sum.add_(rate)
+        else:
+            for layer in layers:
+                self.rate_sum[layer].add_(rate)
+
+    def add_h2d(self, h2d_bytes) -> None:
+        self.h2d_step += h2d_bytes
+        self.h2d_total += h2d_bytes
+
     def count_positions(self, n: torch.Tensor) -> None:
         """A layer's resident set took n [Hkv] positions before the question."""
         torch.maximum(self.positions, _here(n.max(), self.positions.device), out=self.positions)

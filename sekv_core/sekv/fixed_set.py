@@ -51,6 +51,8 @@ class FixedSets:
         self.spans = torch.zeros(L, S, dtype=torch.bool, device=dev)
         self.counts = torch.zeros(L, S, dtype=torch.long, device=dev)
         self.rate = torch.zeros(L, dtype=torch.float64, device=dev)
+        #: one device: every layer's block table [L, Hkv * S] (the batched step stacks them), else None
+        self.last_all: torch.Tensor | None = None
 
     def key(self, u: int):
         """Identity of this forward's kept set when it cannot depend on the query (under a ranking), else None:
@@ -66,10 +68,16 @@ class FixedSets:
     def allocate(self, rows: int) -> None:
         r, L, devs = self.res, self.res.shape.n_layers, self.res.layer_devices
         r.kv.set_annex(rows)  # a realloc of the resident buffers
-        self.keep = [torch.zeros(self.hkv, r.n_blocks, dtype=torch.bool, device=dev) for dev in devs]
-        self.n = [torch.zeros(self.hkv, dtype=torch.long, device=dev) for dev in devs]
+        if r.split:
+            self.keep = [torch.zeros(self.hkv, r.n_blocks, dtype=torch.bool, device=dev) for dev in devs]
+            self.n = [torch.zeros(self.hkv, dtype=torch.long, device=dev) for dev in devs]
+        else:  # one device: every layer's table a view of one tensor, a fill's (the same for every layer) written once
+            self._keep_all = torch.zeros(L, self.hkv, r.n_blocks, dtype=torch.bool, device=r.device)
+            self._n_all = torch.zeros(L, self.hkv, dtype=torch.long, device=r.device)
+            self.keep, self.n = list(self._keep_all.unbind(0)), list(self._n_all.unbind(0))
         self.filled_for = [None] * L
         self.mask = [None] * L
+        self._mask_all = None
         self._folded_for = None
         #: re-positioned: each layer's base entries' slots under its set
         self.base_slots = [torch.zeros(self.hkv, r.n_base, dtype=torch.long, device=dev) for dev in devs]
@@ -120,15 +128,43 @@ class FixedSets:
         plan = self._plan(r, key, r.kv.annex_kv(layer)[0].shape[-2], query.shape[1])
         words = self._fill(r, layer, plan)
         spans, counts, rate = plan["stats"]
-        self.spans[layer].copy_(spans)
-        self.counts[layer].copy_(counts)
-        self.rate[layer].copy_(rate)
+        one = not self.res.split
+        if not one:
+            self.keep[layer].copy_(plan["keep"])
+            self.n[layer].copy_(plan["n"])
+            self.spans[layer].copy_(spans)
+            self.counts[layer].copy_(counts)
+            self.rate[layer].copy_(rate)
+        elif not plan.get("written"):  # one device: every layer fills the plan's set; its tables and stats at once
+            self._keep_all.copy_(plan["keep"])
+            self._n_all.copy_(plan["n"])
+            self.spans.copy_(spans)
+            self.counts.copy_(counts)
+            self.rate.copy_(rate)
+            plan["written"] = True
         self.filled_for[layer] = key
         out = self._joint_attention(layer, query, scaling, lim, fresh=True, expanded=plan["expanded"])
-        self.ledger.count(layer, plan["keep_s"], plan["exp_s"], words * 8, stats=plan["stats"])
+        if one:  # the stats of the layers that filled it counted together when the plan is done with (_count_filled)
+            plan.setdefault("filled", []).append(layer)
+            if words is not None:
+                self.ledger.add_h2d(words * 8)
+        else:
+            self.ledger.count(layer, plan["keep_s"], plan["exp_s"], words * 8, stats=plan["stats"])
         if layer == len(self.filled_for) - 1:  # the last layer: the plan's tables (rotations of every row) are not kept
+            self._count_filled()
             self._plans = {}
         return out
+
+    def _count_filled(self, device=None) -> None:
+        """Count in the ledger the layers that filled the plans (of one device, or all) with their plan's stats."""
+        for dev, (_, plan) in getattr(self, "_plans", {}).items():
+            if device is None or dev == device:
+                layers = plan.pop("filled", None)
+                if layers:
+                    self.ledger.count_layers(plan["stats"], layers)
+                    if "words" in plan:  # the words each layer fetched, made once in the plan
+                        w = plan["words"]
+                        self.ledger.add_h2d((w.sum() if len(layers) == w.numel() else w[layers].sum()) * 8)
 
     def _plan(self, r: Residents, key, ug: int, h: int) -> dict:
         """What a fill takes from the ranking alone, the same for every layer (their block tables and row counts
@@ -138,6 +174,7 @@ class FixedSets:
         cached = getattr(self, "_plans", {}).get(r.device)
         if cached is not None and cached[0] == (key, ug, h):
             return cached[1]
+        self._count_filled(r.device)  # the plan replaced
         hkv, s, nb, dev = self.hkv, r.n_spans, r.n_blocks, r.device
         prio = self.ranking.on(dev).view(1, -1).expand(hkv, -1)
         pg = min(nb, ug // max(1, self.min_block) + 1)
@@ -160,6 +197,9 @@ class FixedSets:
         blk = idx.gather(1, p_of)  # row t of group g <- block blk, its row j_of, from the pair that fetched its span
         keep = torch.zeros(hkv, nb, dtype=torch.bool, device=dev).scatter_(1, idx, ok)
         plan = {"pair": (grp * s + span).flatten(), "fetch_ok": fetch_ok.flatten(), "slot_ok": slot_ok, "keep": keep, "n": ends[:, -1]}
+        if self.last_all is not None and not self.res.split:  # each layer's last word of each pair, and words fetched
+            plan["last"] = torch.where(plan["fetch_ok"], self.last_all[:, plan["pair"]], 0)  # [L, Hkv * pg]
+            plan["words"] = plan["last"].sum(1) + plan["pair"].numel()
         # each row's source in the rebuilt [Hkv * pg, n_max] rows: pair, row (n_max: each layer's own, at the fill)
         ok_t = slot_ok.view(hkv, ug)
         plan["src_pair"] = torch.where(ok_t, grp * pg + first.gather(1, p_of), torch.zeros_like(t)).flatten()
@@ -171,7 +211,7 @@ class FixedSets:
             plan["base_slots"], plan["tokens"] = base_slots, r.layout.tokens(keep)
             start = slots.gather(1, blk)
         if r.pre_rope:  # each row's rotation, as Residents.rotate gives it
-            plan["cos"], plan["sin"] = rope.cos_sin((start + j_of).flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype)
+            plan["rot"] = rope.swapped(*rope.cos_sin((start + j_of).flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype))
         expanded = keep.repeat_interleave(h // hkv, 0)
         plan["expanded"], plan["keep_s"], plan["exp_s"] = expanded, r.span_level(keep), r.span_level(expanded)
         plan["stats"] = zoom_stats(plan["keep_s"], plan["exp_s"])  # the same for every layer: made once
@@ -185,23 +225,28 @@ class FixedSets:
         ak, av = r.kv.annex_kv(layer)
         ug = ak.shape[-2]
         b = self.blocks[layer]
-        rows, words = fb.fetch(b, plan["pair"], plan["fetch_ok"])
+        if "last" in plan:  # one device: the words are counted for all layers at once (_count_filled)
+            rows, words = fb.gather(b, plan["pair"], plan["last"][layer]), None
+        else:
+            rows, words = fb.fetch(b, plan["pair"], plan["fetch_ok"])
         us, vt = fb.unpack(b, rows, r.shape.dtype)
-        rec = torch.matmul(us, vt)  # [Hkv * pg, 2, n_max, d]; rows of pairs not fetched are unused
-        src = plan.get(("src", b.n_max))  # each row's source row: the same for every layer of a block length
+        rec = torch.matmul(us, vt).view(-1, d)  # [Hkv * pg, 2, n_max, d] as rows; rows of pairs not fetched are unused
+        src = plan.get(("src", b.n_max))  # each row's K and V source rows: the same for every layer of a block length
         if src is None:
-            src = plan[("src", b.n_max)] = plan["src_pair"] * b.n_max + plan["src_row"]
+            k = plan["src_pair"] * (2 * b.n_max) + plan["src_row"]
+            src = plan[("src", b.n_max)] = (k, k + b.n_max)
         if r.layout is not None:
             self.base_slots[layer].copy_(plan["base_slots"])
             self.ledger.count_positions(plan["tokens"])
-        krows = rec[:, 0].reshape(-1, d).index_select(0, src)
+        krows = rec.index_select(0, src[0])
         if r.pre_rope:
-            krows = rope.apply(krows.float(), plan["cos"], plan["sin"])
-        slot_ok = plan["slot_ok"]
-        ak[0].copy_(krows.masked_fill(~slot_ok, 0).view(hkv, ug, d))
-        av[0].copy_(rec[:, 1].reshape(-1, d).index_select(0, src).masked_fill(~slot_ok, 0).view(hkv, ug, d))
-        self.keep[layer].copy_(plan["keep"])
-        self.n[layer].copy_(plan["n"])
+            krows = rope.apply_swapped(krows.float(), *plan["rot"])
+        slot_ok = plan["slot_ok"]  # empty rows come from an unfetched block: any bits, so select zeros
+        ak[0].copy_(torch.where(slot_ok, krows, 0).view(hkv, ug, d))
+        zero = plan.get(("zero", rec.dtype))
+        if zero is None:
+            zero = plan[("zero", rec.dtype)] = torch.zeros((), dtype=rec.dtype, device=rec.device)
+        torch.where(slot_ok.view(hkv, ug, 1), rec.index_select(0, src[1]).view(hkv, ug, d), zero, out=av[0])
         return words
 
     def _causal(self, q: int, dtype, dev) -> torch.Tensor:
@@ -223,8 +268,13 @@ class FixedSets:
         ug = jk.shape[-2] - cap
         dev = query.device
         if fresh:
+            one = not self.res.split
             if self.mask[layer] is None or self.mask[layer].shape[-1] != cap + ug:
-                self.mask[layer] = torch.empty(1, h, 1, cap + ug, dtype=query.dtype, device=dev)
+                if one:  # every layer's mask a view of one tensor: a plan's mask (the same for every layer) copied once
+                    self._mask_all = torch.empty(len(self.mask), 1, h, 1, cap + ug, dtype=query.dtype, device=dev)
+                    self.mask = list(self._mask_all.unbind(0))
+                else:
+                    self.mask[layer] = torch.empty(1, h, 1, cap + ug, dtype=query.dtype, device=dev)
             plan = getattr(self, "_plans", {}).get(r.device, (None, {}))[1]
             mk = plan.get("mask") if plan.get("expanded") is expanded else None
             if mk is None or mk[0] != (cap, ug, lim) or torch.is_tensor(lim):  # the same for every layer of a plan
@@ -237,7 +287,11 @@ class FixedSets:
                 mk = (cap, ug, lim), m.view(1, h, 1, -1)
                 if plan.get("expanded") is expanded and not torch.is_tensor(lim):
                     plan["mask"] = mk
-            self.mask[layer].copy_(mk[1])
+            if not one or torch.is_tensor(lim) or plan.get("mask") is not mk:
+                self.mask[layer].copy_(mk[1])
+            elif plan.get("mask_written", (None, None)) != (id(mk), id(self._mask_all)):
+                self._mask_all.copy_(mk[1])
+                plan["mask_written"] = (id(mk), id(self._mask_all))
         mask = self.mask[layer]
         if r.layout is not None:  # the base entries rotated to the set's slots (a copy: the buffer keeps them de-rotated)
             jk = jk.clone()
@@ -248,8 +302,15 @@ class FixedSets:
         elif not fresh:
             mask[..., lim - q : lim] = 0.0
         if q > 1:  # causal among the new tokens
-            mask = mask.expand(1, h, q, cap + ug).clone()
-            mask[0, :, :, lim - q : lim].add_(self._causal(q, mask.dtype, dev))
+            shared = fresh and not self.res.split and not torch.is_tensor(lim) and plan.get("mask") is mk
+            held = plan.get("causal_mask") if shared else None  # a plan's: the same for every layer (one device)
+            if held is None or held[0] != (lim, q):
+                built = mask.expand(1, h, q, cap + ug).clone()
+                built[0, :, :, lim - q : lim].add_(self._causal(q, mask.dtype, dev))
+                held = ((lim, q), built)
+                if shared:
+                    plan["causal_mask"] = held
+            mask = held[1]
         if SDPA_LAYOUT == "packed":
             return grouped_attention(query, jk, jv, mask, scaling)
         if SDPA_LAYOUT == "math":

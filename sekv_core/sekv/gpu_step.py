@@ -29,8 +29,8 @@ import threading
 import torch
 
 from . import blocks as fb
-from . import rope, scout
-from .attention import build_mask, flat_attention, select_topk
+from . import rope, router, scout
+from .attention import build_mask, flat_attention, route, select_topk
 from .budget import ZoomLedger
 from .fixed_set import FixedSets
 from .residents import Residents
@@ -78,6 +78,60 @@ def device_groups(devices: list) -> list[tuple[torch.device, list[int]]]:
     return list(groups.items())
 
 
+#: on CUDA, after the factor blocks are built on their thread (BlockBuild), run the question path's kinds of kernels
+#: once on small inputs of the pack's and the model's shapes (:func:`warm_kernels`), so that their first use (lazy
+#: kernel loading, cuBLAS and cuDNN set-up) is paid beside the model load rather than in the first question;
+#: benchmarks/cli_probe.py turns it off with $SEKV_PROBE_WARM=0 (to compare)
+WARM_KERNELS = True
+
+
+def warm_kernels(blocks: list[fb.Blocks], shape, device, n_spans: int, n_q: int = 32) -> None:
+    """The kernels of a question's scout pass and first forward, each run once on made-up inputs on ``device``: a
+    fetch, dequantisation and rebuild of a layer's real factor blocks (the model dtype and float32), the routing's
+    gates and top-P, the slots' tables, a rotation, the flat attention, the scout's segmented logsumexp and z-scores,
+    and the fixed sets' masked SDPA for several question tokens and for one.  Nothing it makes is kept; the
+    stream is synchronised at the end (the caller's thread waits, not the question)."""
+    if not blocks:
+        return
+    dev, dt = torch.device(device), shape.dtype
+    h, hkv, d = shape.n_heads, shape.n_kv_heads, shape.head_dim
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*size, dtype=torch.float32):
+        return torch.randn(*size, generator=g).to(dev, dtype)
+
+    b = blocks[0]
+    s = max(1, min(n_spans, 512))
+    pairs = min(hkv * s, 64)
+    pair = torch.arange(pairs, device=dev)
+    rows, _ = fb.fetch(b, pair, pair < pairs - 1)
+    for dtype in (dt, torch.float32):
+        us, vt = fb.unpack(b, rows, dtype)
+        rec = torch.matmul(us, vt).view(-1, d)
+    q = rand(1, h, n_q, d, dtype=dt)
+    logits = router.gate_logits(q[0], rand(hkv, 8, d, dtype=dt), rand(hkv, s, d, dtype=dt), rand(hkv, s).abs(), rand(s))
+    cand, prio = route(logits, rand(h), hkv)
+    top, ok = select_topk(prio, torch.full((s,), 16, device=dev), 16 * pairs, pairs)
+    ends = torch.cumsum(torch.where(ok, 16, 0), 0)
+    t = torch.arange(16 * pairs, device=dev)
+    p_of = torch.searchsorted(ends, t, right=True).clamp_max_(pairs - 1)
+    src = torch.where(t < ends[-1], t - (ends - 16)[p_of], 0)
+    cos, sin = rope.cos_sin(src, torch.rand(d // 2, generator=g).to(dev), dtype=dt)
+    krows = rope.apply_swapped(rec.index_select(0, src.clamp_max(rec.shape[0] - 1)).float(), *rope.swapped(cos, sin))
+    T = 256
+    keys, values = rand(1, hkv, T, d, dtype=dt), rand(1, hkv, T, d, dtype=dt)
+    mask = torch.zeros(1, h, n_q, T, device=dev)
+    flat_attention(q, keys, values, mask, krows.to(dt), krows.to(dt), cand.index_select(1, p_of.remainder(s)), 0.125)
+    lse = torch.logsumexp(rand(2, pairs, n_q, 16), dim=-1)
+    sums = torch.zeros(2, pairs, n_q, 4, device=dev).scatter_add_(3, torch.zeros(2, pairs, n_q, 16, dtype=torch.long, device=dev), rand(2, pairs, n_q, 16).exp_())
+    scout.zscore(scout.block_masses(torch.cat([lse.view(2, 1, pairs, n_q), sums.log()[..., 0].view(2, 1, pairs, n_q)], 2), rand(2, 1, n_q)))
+    for n in (n_q, 1):  # the fixed sets' SDPA: the question's forward and a single-token step
+        m = torch.zeros(1, h, n, T, dtype=dt, device=dev)
+        torch.nn.functional.scaled_dot_product_attention(q[:, :, :n], keys, values, attn_mask=m, scale=0.125, enable_gqa=hkv != h)
+    if dev.type == "cuda":
+        torch.cuda.current_stream(dev).synchronize()
+
+
 class BlockBuild:
     """:func:`build_blocks` on a second thread, started when the pack opens, so that the first question finds the
     blocks made (or waits only for the rest) instead of building them inside its scout pass: in `sekv chat` they
@@ -90,6 +144,8 @@ class BlockBuild:
         reads of one (start_blocks: the checks of the pack, then its factors)."""
         self._blocks: list[fb.Blocks] | None = None
         self._error: BaseException | None = None
+        self.warm_error: Exception | None = None  # what warm_kernels raised (the blocks are built; nothing else depends on it)
+        self._built = threading.Event()  # set once the blocks are built or failed (the warm-up after them is not waited for)
         self._thread = threading.Thread(target=self._run, args=(res,), name="sekv-blocks")
         self._thread.start()
 
@@ -102,17 +158,30 @@ class BlockBuild:
                 self._blocks = build_blocks(res)
         except BaseException as e:  # noqa: BLE001 - handed to result()
             self._error = e
+            return
+        finally:
+            self._built.set()
+        if res.cuda and WARM_KERNELS:
+            try:
+                with torch.inference_mode(), torch.cuda.device(res.device):
+                    warm_kernels(self._blocks, res.shape, res.device, int(res.span_len.numel()))
+            except Exception as e:  # noqa: BLE001 - a warm-up only saves time: the question runs (and meets any error) as before
+                self.warm_error = e
 
     def result(self) -> list[fb.Blocks]:
-        self._thread.join()
+        self._built.wait()
         if self._error is not None:
             raise self._error
         return self._blocks
 
     def result_or_none(self) -> list[fb.Blocks] | None:
         """The blocks, or None where the build failed (the caller builds them itself, and meets the error there)."""
-        self._thread.join()
+        self._built.wait()
         return None if self._error is not None else self._blocks
+
+    def join(self) -> None:
+        """Wait for the thread itself (the build and the warm-up after it)."""
+        self._thread.join()
 
 
 def _device(device) -> torch.device:
@@ -182,6 +251,13 @@ class BatchedStep:
         self.rv: list[torch.Tensor] = []
         self.head_group = res.head_group  # query head -> KV group (each device's: res.at(device).head_group)
         self.fixed = FixedSets(res, ledger, ranking, self.blocks) if ranking is not None else None
+        if self.fixed is not None and not res.split and self.blocks:
+            # every layer's block table a view of one [L, Hkv * S] tensor (the same bytes): a fixed set's fetch reads
+            # each pair's last word for all layers at once
+            last = torch.stack([b.last for b in self.blocks])
+            for i, b in enumerate(self.blocks):
+                b.last = last[i]
+            self.fixed.last_all = last
         self.g_len = torch.zeros((), dtype=torch.long, device=res.device)  # static steps: the visible length
         self.base: torch.Tensor | None = None  # re-positioned: the last routed layer's rotated base keys (the scout reads them)
 
@@ -257,12 +333,30 @@ class BatchedStep:
         keys, values = r.kv.append(layer, key, value)
         h, q = query.shape[1], query.shape[2]
         n_tail = r.kv.len[layer] - r.n_base
+        base = self._open_mask(r, h, q, n_tail)
 
         def resident_mask(expanded):
-            return build_mask(n_heads=h, n_q=q, n_full=r.n_full, log_n=r.log_n, expanded=expanded, n_tail=n_tail, slot_span=None, dtype=torch.float32)
+            # build_mask's: the coarse entries of the expanded spans hidden in a copy of the forward's mask with none
+            m = base.clone()
+            m[0, :, :, r.n_full : r.n_base].masked_fill_(expanded.unsqueeze(1), float("-inf"))
+            return m
+
+        resident_mask.open, resident_mask.coarse = base, (r.n_full, r.n_base)  # flat_attention hides them itself (_routed)
 
         with _tf32(query.is_cuda and query.dtype != torch.float32):
             return self._core(layer, query, keys, values, resident_mask, scaling, r.kv.len[layer])
+
+    def _open_mask(self, r: Residents, h: int, q: int, n_tail: int) -> torch.Tensor:
+        """build_mask with no span expanded [1, H, q, T] (float32): the same for every layer of a forward (one device),
+        made by its first layer; a layer's mask hides its expanded spans' coarse entries in a copy of it."""
+        key = (h, q, r.n_full, n_tail)
+        masks = self.__dict__.setdefault("_open_masks", {})  # by device (a model placed across devices: each its own)
+        held = masks.get(r.device)
+        if held is None or held[0] != key:
+            none = torch.zeros(h, r.n_spans, dtype=torch.bool, device=r.log_n.device)
+            m = build_mask(n_heads=h, n_q=q, n_full=r.n_full, log_n=r.log_n, expanded=none, n_tail=n_tail, slot_span=None, dtype=torch.float32)
+            held = masks[r.device] = (key, m)
+        return held[1]
 
     def _core(self, layer, query, keys, values, resident_mask, scaling, lim) -> torch.Tensor:
         """Route, cap, fetch, rebuild, attend, count: shapes depend only on the memory, never on the data.
@@ -292,48 +386,62 @@ class BatchedStep:
             keep = lay.cap(keep, prio, r.span_len_dev)
             ok = ok & keep.view(-1)[pair]
             keys, slots = self._placed(layer, keys, keep if r.whole_spans else keep[:, r.block_span_dev])
-        expanded = keep.repeat_interleave(h // hkv, 0)
+        expanded = keep.index_select(0, r.head_group)  # each query head its group's row
         if r.head_masks:
             expanded = expanded & cand
+        # the scout pass's zoom stats are not kept (the ask's ledger is reset after it): nothing counted there
+        counted = self.ranking is None or not self.ranking.scouting
         b = self.blocks[layer]
-        rows, words = fb.fetch(b, pair, ok)
+        rows, words = fb.fetch(b, pair, ok, count=counted)
         # dequantised and multiplied in the model dtype (bf16 on GPU: tensor cores; int8 levels are exact in bf16,
         # and the factors' quantisation error dominates bf16 rounding)
         us, vt = fb.unpack(b, rows, r.shape.dtype)
-        rec = torch.matmul(us, vt)  # [P, 2, n_max, d]; rows past n_i unused
+        rec = torch.matmul(us, vt).view(-1, d)  # [P, 2, n_max, d] as rows; rows past n_i unused
         # fill the flat slots by gathering rows (slot t <- pair p(t), row j(t)); a scatter would pile the unused
         # rows onto one sink row, which serialises on the GPU
-        n_ok = torch.where(ok, r.span_len_dev[i], torch.zeros_like(i))
+        n_ok = torch.where(ok, r.span_len_dev[i], 0)
         ends = torch.cumsum(n_ok, 0)
-        t = torch.arange(u, device=dev)
-        p_of = torch.searchsorted(ends, t, right=True).clamp_max(pair.numel() - 1)  # slot -> pair
+        t = self._slot_ids(u, dev)
+        p_of = torch.searchsorted(ends, t, right=True).clamp_max_(pair.numel() - 1)  # slot -> pair
         j_of = t - (ends - n_ok)[p_of]  # slot -> row within its span
-        slot_ok = t < ends[-1]
-        src = torch.where(slot_ok, p_of * b.n_max + j_of, torch.zeros_like(t))
+        slot_ok = (t < ends[-1]).view(-1, 1)
+        src = torch.where(slot_ok.view(-1), torch.add(j_of, p_of, alpha=2 * b.n_max), 0)  # its K row in rec (V: n_max on)
         if lay is None:
-            first = r.span_start_dev[i][p_of]
+            krows = r.rotate_doc(rec.index_select(0, src), r.span_start_dev[i][p_of] + j_of)
         else:  # a kept span's tokens are consecutive from its first block's slot
-            first = slots[g[p_of], lay.span_first_block.to(dev)[i[p_of]]]
-        krows = r.rotate(rec[:, 0].reshape(-1, d).index_select(0, src), first + j_of)
-        empty_slot = ~slot_ok.view(-1, 1)  # their rows come from an unfetched block: any bits, so select zeros
+            krows = r.rotate(rec.index_select(0, src), slots[g[p_of], lay.span_first_block.to(dev)[i[p_of]]] + j_of)
+        # empty slots' rows come from an unfetched block: any bits, so select zeros
         if self.fixed is not None:  # a per-layer-routed forward of a fixed-set memory (the scout pass): workspace rows
-            rk = krows.to(r.shape.dtype).masked_fill(empty_slot, 0)
-            rv = rec[:, 1].reshape(-1, d).index_select(0, src).masked_fill(empty_slot, 0)
+            rk = torch.where(slot_ok, krows.to(r.shape.dtype), 0)
+            rv = torch.where(slot_ok, rec.index_select(0, src + b.n_max), 0)
         else:
             rk, rv = self.rk[layer][:u], self.rv[layer][:u]
-            rk.copy_(krows.masked_fill(empty_slot, 0))
-            torch.index_select(rec[:, 1].reshape(-1, d), 0, src, out=rv)
-            rv.masked_fill_(empty_slot, 0)
+            empty = ~slot_ok
+            rk.copy_(krows.masked_fill_(empty, 0))
+            torch.index_select(rec, 0, src + b.n_max, out=rv)
+            rv.masked_fill_(empty, 0)
         # head h sees slot t iff t is filled, t's group is h's and h itself wanted t's span
         mine = r.head_group.view(1, -1) == g.view(-1, 1)  # [P, H]
         if r.head_masks:
             mine = mine & cand.t()[i]
-        visible = (mine.index_select(0, p_of) & slot_ok.view(-1, 1)).t()  # [H, U]
+        visible = (mine.index_select(0, p_of) & slot_ok).t()  # [H, U]
         # the question's tokens in as few chunks as keep each float32 score tensor [H, chunk, T | U] near SCOUT_CHUNK_BYTES
         q_chunk = max(16, SCOUT_CHUNK_BYTES // max(1, 4 * h * max(keys.shape[-2], u)))
-        out = flat_attention(query, keys, values, resident_mask(expanded), rk, rv, visible, scaling, q_chunk=q_chunk)
-        self.ledger.count(layer, keep, expanded, words * 8)
+        opened = getattr(resident_mask, "open", None)
+        if opened is not None:  # the forward's mask with nothing expanded, the expanded coarse entries hidden in the scores
+            out = flat_attention(query, keys, values, opened, rk, rv, visible, scaling, q_chunk=q_chunk, coarse_hidden=(*resident_mask.coarse, expanded))
+        else:
+            out = flat_attention(query, keys, values, resident_mask(expanded), rk, rv, visible, scaling, q_chunk=q_chunk)
+        if counted:
+            self.ledger.count(layer, keep, expanded, words * 8)
         return out
+
+    def _slot_ids(self, u: int, dev) -> torch.Tensor:
+        """0..u-1 on dev (the flat slots' ids), made once."""
+        held = getattr(self, "_slot_t", None)
+        if held is None or held.numel() != u or held.device != torch.device(dev):
+            held = self._slot_t = torch.arange(u, device=dev)
+        return held
 
     def _placed(self, layer: int, keys: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Re-positioned: keys [1, Hkv, T, d] with the base entries rotated to the slots of the kept blocks keep

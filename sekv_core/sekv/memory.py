@@ -70,7 +70,7 @@ class ZoomMemory(KVMemory):
                 b = self._blocks
                 # an early build that failed is built again here from the opened pack (which meets a real error anew)
                 blocks = None if b is None else b.result_or_none() if self._early else b.result()
-                self._blocks = None
+                self._blocks, self._warming = None, b
                 self.step = BatchedStep(self.res, self.ledger, self.ranking, blocks)
             else:
                 self.step = CpuStep(self.res, self.ledger, self.ranking)
@@ -225,6 +225,9 @@ class ZoomMemory(KVMemory):
 
     def static_begin(self) -> None:
         self._step()
+        if getattr(self, "_warming", None) is not None:  # the blocks' thread ends (its kernels' warm-up) before a step
+            self._warming.join()  # that may be captured: another thread's allocations or copies would break a capture
+            self._warming = None
         self.res.kv.static_begin()
         if self.ledger.stale:
             self._new_ask()

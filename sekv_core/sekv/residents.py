@@ -41,6 +41,11 @@ def apply_tau_mode(rt: router.Router, mode: str) -> router.Router:
 LAZY_FACTORS = "cuda"
 
 
+#: the most device bytes a pack's table of every document position's rotation may take (Residents.rotate_doc: cos and
+#: sin, float32 [n_doc, head_dim] each; the 0.5B at 30K tokens: 16 MB); a longer document computes them per call
+ROPE_TABLE_BYTES = 64 << 20
+
+
 #: the tables a step reads on its layer's device: a view of the pack on another device (:meth:`Residents.at`) has
 #: its own copy of each
 DEVICE_TABLES = ("inv_freq", "cost", "block_cost", "block_span_dev", "block_len_dev", "block_off_dev", "block_start_dev",
@@ -234,6 +239,29 @@ class Residents:
         if not self.pre_rope or rows.numel() == 0:
             return rows
         return rope.rotate(rows, positions, self.inv_freq, self.rope_scaling, self.shape.dtype)
+
+    def rotate_doc(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """:meth:`rotate` for positions inside the document (< n_doc): the same values, each position's rotation read
+        from a table of every document position made once a device (where it takes at most ROPE_TABLE_BYTES), two
+        lookups instead of computing them at every call (a layer of a routed forward).  A position past the document
+        (a row the caller discards) reads the last one's."""
+        if not self.pre_rope or rows.numel() == 0:
+            return rows
+        tables = self.__dict__.setdefault("_rope_tables", {})  # shared with the views on other devices: keyed by device
+        if self.device not in tables:
+            d = self.shape.head_dim
+            small = 2 * 4 * self.n_doc * d <= ROPE_TABLE_BYTES
+            tables[self.device] = rope.swapped(*self._cos_sin(torch.arange(self.n_doc, device=self.device))) if small else None
+        t = tables[self.device]
+        if t is None:
+            return self.rotate(rows, positions)
+        cos, signed_sin, perm = t
+        p = positions.flatten().clamp_max(self.n_doc - 1)
+        d = rows.shape[-1]
+        return rope.apply_swapped(rows.reshape(-1, d).float(), cos.index_select(0, p), signed_sin.index_select(0, p), perm).view(rows.shape)
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope.cos_sin(positions, self.inv_freq, self.rope_scaling, dtype=self.shape.dtype)
 
     def base_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Re-positioned: a layer's full-resolution tokens and coarse entries rotated to their slots [Hkv, F + S]

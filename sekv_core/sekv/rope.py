@@ -43,6 +43,22 @@ def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotate_half(x) * sin
 
 
+def swapped(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What :func:`apply_swapped` reads: (cos, sin with its first half negated, the halves' swap [d] long), made once
+    for many rotations (a layer each) of the same positions."""
+    h = sin.shape[-1] // 2
+    sign = torch.ones(sin.shape[-1], device=sin.device)
+    sign[:h] = -1.0
+    perm = torch.cat([torch.arange(h, 2 * h), torch.arange(h)]).to(sin.device)
+    return cos, sin * sign, perm
+
+
+def apply_swapped(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """:func:`apply` with :func:`swapped`'s tables, the same values in four ops instead of five: rotate_half(x) * sin
+    is x with its halves swapped times sin with its first half negated ((-a) b = a (-b) exactly)."""
+    return x * cos + x.index_select(-1, perm) * signed_sin
+
+
 def undo(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`apply` (x [..., T, d] post-RoPE -> pre-RoPE)."""
     # apply() is, per pair (i, i + d/2), the matrix [[c, -s], [s, c]]; its inverse is [[c, s], [-s, c]] / (c^2 + s^2)
