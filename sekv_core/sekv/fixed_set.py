@@ -164,6 +164,8 @@ class FixedSets:
         ok_t = slot_ok.view(hkv, ug)
         plan["src_pair"] = torch.where(ok_t, grp * pg + first.gather(1, p_of), torch.zeros_like(t)).flatten()
         plan["src_row"] = torch.where(ok_t, r.block_off_dev[blk] + j_of, torch.zeros_like(t)).flatten()
+        if r.zoom_tier is not None:  # each row's (group, document token): the pack's zoom tier replaces covered rows
+            plan["tier_rows"] = (grp.expand(-1, ug).flatten(), (r.block_start_dev[blk] + j_of).flatten(), ok_t.flatten())
         if r.layout is None:
             start = r.block_start_dev[blk]
         else:  # re-positioned (sekv/positions.py): the set's slots, fixed while it is
@@ -195,11 +197,16 @@ class FixedSets:
             self.base_slots[layer].copy_(plan["base_slots"])
             self.ledger.count_positions(plan["tokens"])
         krows = rec[:, 0].reshape(-1, d).index_select(0, src)
+        vrows = rec[:, 1].reshape(-1, d).index_select(0, src)
+        if r.zoom_tier is not None:  # sekv/zoom_tier.py
+            hit, tk, tv = r.zoom_tier.lookup(layer, *plan["tier_rows"])
+            krows = torch.where(hit.view(-1, 1), tk.to(krows.dtype), krows)
+            vrows = torch.where(hit.view(-1, 1), tv.to(vrows.dtype), vrows)
         if r.pre_rope:
             krows = rope.apply(krows.float(), plan["cos"], plan["sin"])
         slot_ok = plan["slot_ok"]
         ak[0].copy_(krows.masked_fill(~slot_ok, 0).view(hkv, ug, d))
-        av[0].copy_(rec[:, 1].reshape(-1, d).index_select(0, src).masked_fill(~slot_ok, 0).view(hkv, ug, d))
+        av[0].copy_(vrows.masked_fill(~slot_ok, 0).view(hkv, ug, d))
         self.keep[layer].copy_(plan["keep"])
         self.n[layer].copy_(plan["n"])
         return words
