@@ -148,3 +148,40 @@ def test_pack_round_trip_and_damaged_tier(lm, tmp_path, kind):
     mem = m.open(Store(old), m.resolve_params({}), shape, "cpu")
     assert mem.res.zoom_tier is None
     assert m.resolve_params({}).zoom_tier in ("factors", "int8", "exact")
+
+
+def test_windowed_ingest_and_add_keep_the_tier_whole(lm, tmp_path, monkeypatch):
+    """A pack read in windows and extended by `sekv add` (in windows too): its tier covers exactly the span tokens of
+    the merged pack (validate), the added ones after the pack's, whose rows are kept bit for bit."""
+    from conftest import SAMPLE_MD
+    from sekv_core.add import add
+    from sekv_core.documents import load_corpus
+    from sekv_core.ingest import WINDOW_ENV
+
+    (tmp_path / "a.txt").write_text(SAMPLE_MD.read_text()[:5000])
+    (tmp_path / "b.txt").write_text(" ".join(f"Line {i}: the harbour master logged ship {i * 7} at dawn." for i in range(40)))
+    pack = tmp_path / "p.sekv"
+    monkeypatch.setenv(WINDOW_ENV, "512")
+    ingest(tmp_path / "a.txt", pack, lm=lm, method="sekv", params={"zoom_tier": "int8"})
+    shape = methods.base.ModelShape.of(lm.config, torch.float32)
+
+    def tensors():
+        rp = read_pack(pack)
+        try:
+            return {k: rp.get(k) for k in rp.keys()}, rp.manifest
+        finally:
+            rp.close()
+
+    t0, m0 = tensors()
+    assert len(m0["windows"]) > 2
+    layout.validate(Store(t0), shape, m0["n_tokens"])
+    r = add(pack, load_corpus([tmp_path / "b.txt"], headings=True), lm=lm)
+    assert r.windows > 1
+    t1, m1 = tensors()
+    layout.validate(Store(t1), shape, m1["n_tokens"])
+    P0 = t0["sekv.zoom.idx"].numel()
+    assert t1["sekv.zoom.idx"].numel() > P0 and torch.equal(t1["sekv.zoom.idx"][:P0], t0["sekv.zoom.idx"])
+    assert int(t1["sekv.zoom.idx"][-1]) >= m0["n_tokens"]
+    for li in range(shape.n_layers):
+        for part in ("k", "ks", "v", "vs"):
+            assert torch.equal(t1[f"sekv.zoom.{part}.{li}"][:, :P0], t0[f"sekv.zoom.{part}.{li}"])
