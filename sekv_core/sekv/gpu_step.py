@@ -314,15 +314,21 @@ class BatchedStep:
             first = r.span_start_dev[i][p_of]
         else:  # a kept span's tokens are consecutive from its first block's slot
             first = slots[g[p_of], lay.span_first_block.to(dev)[i[p_of]]]
-        krows = r.rotate(rec[:, 0].reshape(-1, d).index_select(0, src), first + j_of)
+        kx = rec[:, 0].reshape(-1, d).index_select(0, src)
+        vx = rec[:, 1].reshape(-1, d).index_select(0, src)
+        if r.zoom_tier is not None:  # the pack's zoom tier replaces covered rows (sekv/zoom_tier.py)
+            hit, tk, tv = r.zoom_tier.lookup(layer, g[p_of], r.span_start_dev[i][p_of] + j_of, slot_ok)
+            kx = torch.where(hit.view(-1, 1), tk.to(kx.dtype), kx)
+            vx = torch.where(hit.view(-1, 1), tv.to(vx.dtype), vx)
+        krows = r.rotate(kx, first + j_of)
         empty_slot = ~slot_ok.view(-1, 1)  # their rows come from an unfetched block: any bits, so select zeros
         if self.fixed is not None:  # a per-layer-routed forward of a fixed-set memory (the scout pass): workspace rows
             rk = krows.to(r.shape.dtype).masked_fill(empty_slot, 0)
-            rv = rec[:, 1].reshape(-1, d).index_select(0, src).masked_fill(empty_slot, 0)
+            rv = vx.masked_fill(empty_slot, 0)
         else:
             rk, rv = self.rk[layer][:u], self.rv[layer][:u]
             rk.copy_(krows.masked_fill(empty_slot, 0))
-            torch.index_select(rec[:, 1].reshape(-1, d), 0, src, out=rv)
+            rv.copy_(vx)
             rv.masked_fill_(empty_slot, 0)
         # head h sees slot t iff t is filled, t's group is h's and h itself wanted t's span
         mine = r.head_group.view(1, -1) == g.view(-1, 1)  # [P, H]
