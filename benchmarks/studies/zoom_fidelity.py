@@ -5,8 +5,9 @@ once (``--cache``: the prefill's KV, surprisal and profile queries kept as safet
 then compressed per variant (``NAME:key=value,...``, sekv parameters, as mk_fidelity's variants) and each question
 asked per budget.  Per ask: the answer, whether it holds the expected number as a whole word (gpu_cli's score), the
 rank of the asked needle's best block under the scout's final ranking (0 = first), in how many layers a block of it
-is zoomed at the answer's first forward, and the relative error of the pack's rebuilt K / V of the needle's tokens
-(all layers and KV heads, pre-RoPE keys) against the prefill's.
+is zoomed at the answer's first forward, and the relative error of what a zoomed block holds of the number's tokens
+(the factors' rebuild, or the pack's zoom tier where it has one; all layers and KV heads, pre-RoPE keys) against the
+prefill's.
 
 The oracles are parameter settings, not code paths of their own:
 
@@ -85,8 +86,12 @@ def needle_error(mem, pre: PrefillResult, n0: int, n1: int) -> tuple[float, floa
         for t in toks:
             s = int(((ss <= t) & (t < ss + sl)).nonzero()[0])
             g = torch.arange(2 * hkv)
-            got = fz.expand(fz.gather(f, lay, r.span_len, g, torch.full((2 * hkv,), s), d, row0=torch.full((2 * hkv,), t - int(ss[s])),
-                                      rows=torch.ones(2 * hkv, dtype=torch.long)), d, torch.float32)[:, 0]  # [2Hkv, d]
+            if r.zoom_tier is not None:  # what a zoomed block holds: the tier's rows
+                _, tk, tv = r.zoom_tier.lookup(layer, torch.arange(hkv), torch.full((hkv,), t), torch.ones(hkv, dtype=torch.bool))
+                got = torch.cat([tk.float(), tv.float()])
+            else:
+                got = fz.expand(fz.gather(f, lay, r.span_len, g, torch.full((2 * hkv,), s), d, row0=torch.full((2 * hkv,), t - int(ss[s])),
+                                          rows=torch.ones(2 * hkv, dtype=torch.long)), d, torch.float32)[:, 0]  # [2Hkv, d]
             k_pre = _unrotate(r, pre.keys[layer][:, t].float(), t)
             v = pre.values[layer][:, t].float()
             ek += float((got[:hkv] - k_pre).pow(2).sum()); nk += float(k_pre.pow(2).sum())
