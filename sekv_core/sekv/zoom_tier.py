@@ -48,7 +48,8 @@ class ZoomTier:
     A layer's rows are read from the store when first needed and kept on the host as one table [Hkv * P, row] of
     int64 words (K and V side by side, the scales after them where int8); on CUDA the table is pinned and read through
     its device alias (sekv/blocks.py device_view: a gather over PCIe of the rows asked for, no host sync), else
-    moved to the device once per layer (that costs device memory the ledger does not count; only without UVA)."""
+    moved to the device once per layer (that costs device memory the ledger does not count; only without UVA).  On
+    CUDA the tables are made on a second thread from the open on, so the first question seldom waits for them."""
 
     def __init__(self, store, names: set[str], shape, device):
         self.store, self.names, self.shape = store, names, shape
@@ -59,6 +60,13 @@ class ZoomTier:
         self.int8 = "sekv.zoom.ks.0" in names
         self.dtype = shape.dtype if self.int8 else store.get("sekv.zoom.k.0").dtype if self.P else shape.dtype
         self._tables: dict = {}
+        self._ahead = None
+        if self.device.type == "cuda" and self.P:  # read and pin every layer's table on a second thread from the open on
+            from concurrent.futures import ThreadPoolExecutor
+
+            pool = ThreadPoolExecutor(1)
+            self._ahead = {li: pool.submit(self._table, li, self.device) for li in range(shape.n_layers)}
+            pool.shutdown(wait=False)
 
     @classmethod
     def of(cls, store, names: set[str], shape, device) -> "ZoomTier | None":
@@ -116,7 +124,8 @@ class ZoomTier:
         pos = self.pos_dev if self.pos_dev.device == dev else self.pos.to(dev)
         i = torch.searchsorted(pos, token).clamp_max(P - 1)
         hit = valid & (pos[i] == token)
-        words, src, W = self._table(layer, dev)
+        ahead = self._ahead.get(layer) if self._ahead is not None and dev == self.device else None
+        words, src, W = ahead.result() if ahead is not None else self._table(layer, dev)
         row = group * P + i
         idx = (row.view(-1, 1) * W + torch.arange(W, device=dev).view(1, -1)).flatten()
         got = src.index_select(0, idx).view(-1, W).view(torch.uint8)
