@@ -51,7 +51,7 @@ class SekvParams(Params):
     number_share: float = 0.0
     # what a zoomed block holds (sekv/zoom_tier.py): "int8" / "exact" the span tokens' own K / V stored in the pack
     # (int8 with a scale a row / the store dtype), read in place of the factors' rebuild; "factors": the rebuild
-    zoom_tier: str = "factors"
+    zoom_tier: str = "int8"
     read_zoom_tier: bool = ask_time(True)  # False: a pack's zoom tier is not read (the factors' rebuild, as without one)
     # factors (sekv/factorize.py, sekv/codec.py)
     rank_max: int = 32
