@@ -185,3 +185,18 @@ def test_windowed_ingest_and_add_keep_the_tier_whole(lm, tmp_path, monkeypatch):
     for li in range(shape.n_layers):
         for part in ("k", "ks", "v", "vs"):
             assert torch.equal(t1[f"sekv.zoom.{part}.{li}"][:, :P0], t0[f"sekv.zoom.{part}.{li}"])
+
+
+def test_a_pack_made_before_the_zoom_tier_reads_as_factors(tmp_path):
+    from sekv_core.pack import write_pack
+    from sekv_core.sekv.params import SekvParams
+    from sekv_core.session import pack_params, stored_params
+
+    assert SekvParams.absent_in_pack["zoom_tier"] == "factors"
+    model, ref, ids, res, store, p, m, full = _setup("qwen2", **(TIER | {"zoom_tier": "factors"}))
+    assert not any(k.startswith("sekv.zoom.") for k in store)
+    before = {k: v for k, v in p.to_dict().items() if k not in ("zoom_tier", "read_zoom_tier")}
+    write_pack(tmp_path / "old.sekv", {"method": "sekv", "method_params": before}, dict(store))
+    old = read_pack(tmp_path / "old.sekv")
+    assert "zoom_tier" not in old.params and pack_params(old)["zoom_tier"] == "factors"
+    assert stored_params(old).zoom_tier == "factors"
