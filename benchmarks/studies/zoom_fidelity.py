@@ -62,11 +62,11 @@ def cached_prefill(lm, ids: list[int], kinds, obs_window: int, path: Path | None
     r = prefill(lm.model, torch.tensor(ids), with_surprisal=True, capture=kinds, obs_window=obs_window)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        out = {"surprisal": r.surprisal.contiguous()}
+        out = {"surprisal": r.surprisal.cpu().contiguous()}
         for i, (k, v) in enumerate(zip(r.keys, r.values)):
-            out[f"k{i}"], out[f"v{i}"] = k.contiguous(), v.contiguous()
+            out[f"k{i}"], out[f"v{i}"] = k.cpu().contiguous(), v.cpu().contiguous()
         for i, q in enumerate(r.scores.get("obs_queries") or []):
-            out[f"q{i}"] = q.contiguous()
+            out[f"q{i}"] = q.cpu().contiguous()
         save_file(out, str(path))
     return r
 
@@ -114,6 +114,8 @@ def main() -> None:
     ap.add_argument("--budgets", default="0.1")
     ap.add_argument("--questions", default="", help="indices of the questions to ask (default all)")
     ap.add_argument("--model", default="qwen2.5-0.5b")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the model, the prefill, the opened memories: on cuda the "
+                    "batched step, whose zoomed layers and number errors are not probed)")
     ap.add_argument("--dtype", default=None, help="model dtype (default models.default_dtype: bfloat16 on this CPU)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=12)
@@ -121,7 +123,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    lm = models.load(a.model, device="cpu", dtype=getattr(torch, a.dtype) if a.dtype else None)
+    lm = models.load(a.model, device=a.device, dtype=getattr(torch, a.dtype) if a.dtype else None)
     tok = lm.tokenizer
     shape = ModelShape.of(lm.config, next(lm.model.parameters()).dtype)
     stop_ids = prompt.stop_token_ids(tok, getattr(lm.model, "generation_config", None))
@@ -166,10 +168,10 @@ def main() -> None:
                        "compress_s": round(comp_s, 1), "needle_tokens": [sent[0], sent[-1] + 1], "number_tokens": [hit[0], hit[-1] + 1]}
                 ta = time.perf_counter()
                 if name == "full":
-                    mem = m.open(DictStore(dict(tensors)), fp, shape, "cpu")
+                    mem = m.open(DictStore(dict(tensors)), fp, shape, a.device)
                     ans, _ = generate(lm.model, mem, q_ids, max_new_tokens=a.max_new_tokens, stop_ids=stop_ids, question=q["question"])
                 else:
-                    mem = m.open(DictStore(dict(tensors)), sp.replace(budget=b), shape, "cpu")
+                    mem = m.open(DictStore(dict(tensors)), sp.replace(budget=b), shape, a.device)
                     res = mem.res
                     bs, bl = res.block_start.cpu(), res.block_len.cpu()
                     blocks = ((bs < sent[-1] + 1) & (bs + bl > sent[0])).nonzero().flatten()
@@ -184,7 +186,9 @@ def main() -> None:
                     row["zoomed_layers"] = sum(bool(k[:, blocks].any()) for k in p.keeps)
                     row["all_needle_blocks_layers"] = sum(bool(k[:, blocks].all()) for k in p.keeps)
                     row["number_full_res"] = sum(int(t) in set(res.full_pos.cpu().tolist()) for t in range(hit[0], hit[-1] + 1))
-                    row["number_err_kv"] = needle_error(mem, pre, hit[0], hit[-1] + 1)
+                    row["number_err_kv"] = needle_error(mem, pre, hit[0], hit[-1] + 1) if a.device == "cpu" else None
+                    if a.device != "cpu":
+                        row["zoomed_layers"] = row["all_needle_blocks_layers"] = None  # the probe watches the CPU step
                 answer = tok.decode(ans, skip_special_tokens=True).strip()
                 row.update(answer=answer, correct=contains(answer, q["expected"], whole_word=True), ask_s=round(time.perf_counter() - ta, 1))
                 rows.append(row)
