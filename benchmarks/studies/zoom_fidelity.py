@@ -177,7 +177,8 @@ def main() -> None:
                     blocks = ((bs < sent[-1] + 1) & (bs + bl > sent[0])).nonzero().flatten()
                     with Probe() as p:
                         ans, _ = generate(lm.model, mem, q_ids, max_new_tokens=a.max_new_tokens, stop_ids=stop_ids, question=q["question"])
-                    parts = p.parts
+                    parts = p.parts or {"question": torch.zeros(res.n_blocks), "profile": torch.zeros(res.n_blocks), "pw": 0.0,
+                                        "lexical": None, "lw": 0.0}  # no scout pass seen: ranks read as ties
                     final = parts["question"].float().cpu() - parts["pw"] * parts["profile"].float().cpu()
                     if parts["lexical"] is not None and parts["lw"] > 0 and float(parts["lexical"].max()) > 0:
                         final = scout.zscore(final) + parts["lw"] * scout.zscore(parts["lexical"].float().cpu())
