@@ -385,11 +385,8 @@ def _layer_tensors(prefill: PrefillResult, params: SekvParams, li: int, chunks, 
     out[f"coarse.v.{li}"] = vbar.to(sdt)
     out[f"moment.{li}"] = _second_moment(k, chunks)
     if params.zoom_tier != "factors":  # the span tokens' own K / V, what a zoomed block holds at ask time (sekv/zoom_tier.py)
-        kx = k[:, pos].float()
-        if rot is not None and pos.numel():
-            kx = rope.undo(kx, *rot(0, pos.numel()))
-        out.update(zoom_tier.window_tensors(params.zoom_tier, kx, v[:, pos], sdt, li))
-        del kx
+        undo = None if rot is None else (lambda x, p0, p1: rope.undo(x, *rot(p0, p1)))
+        out.update(zoom_tier.window_tensors(params.zoom_tier, k, v, pos, undo, chunks, sdt, li))
     if span_len.numel() == 0:
         out[f"keys.{li}"] = k.float()  # no span to scale the router on: the keys themselves (router.pca_init)
     depth = li / max(L - 1, 1)

@@ -30,13 +30,31 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.clamp(-127, 127).to(torch.int8), s.to(torch.float16)
 
 
-def window_tensors(kind: str, k_pre: torch.Tensor, v: torch.Tensor, sdt: torch.dtype, li: int) -> dict[str, torch.Tensor]:
-    """One layer's tier rows of a window (its span tokens, in span order): pre-RoPE keys and values [Hkv, M, d]."""
+def window_tensors(kind: str, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, undo, chunks, sdt: torch.dtype, li: int) -> dict[str, torch.Tensor]:
+    """One layer's tier rows of a window: its span tokens ``pos`` (span order) of the prefill's post-RoPE keys and
+    values k, v [Hkv, N, d] -> pre-RoPE keys (``undo(rows, p0, p1)``: RoPE undone on rows p0:p1; None: post-RoPE
+    packs) and values [Hkv, M, d], made in compress's row chunks (sekv/compress.py plan) into their final tensors."""
+    hkv, d, M, dev = k.shape[0], k.shape[-1], int(pos.numel()), k.device
     if kind == "exact":
-        return {f"zoom.k.{li}": k_pre.to(sdt).contiguous(), f"zoom.v.{li}": v.to(sdt).contiguous()}
-    qk, sk = quantize_rows(k_pre)
-    qv, sv = quantize_rows(v)
-    return {f"zoom.k.{li}": qk, f"zoom.ks.{li}": sk, f"zoom.v.{li}": qv, f"zoom.vs.{li}": sv}
+        out = {f"zoom.k.{li}": torch.empty(hkv, M, d, dtype=sdt, device=dev), f"zoom.v.{li}": torch.empty(hkv, M, d, dtype=sdt, device=dev)}
+    else:
+        out = {f"zoom.k.{li}": torch.empty(hkv, M, d, dtype=torch.int8, device=dev), f"zoom.ks.{li}": torch.empty(hkv, M, dtype=torch.float16, device=dev),
+               f"zoom.v.{li}": torch.empty(hkv, M, d, dtype=torch.int8, device=dev), f"zoom.vs.{li}": torch.empty(hkv, M, dtype=torch.float16, device=dev)}
+    for _, _, p0, p1 in chunks:
+        if p1 <= p0:
+            continue
+        kx = k[:, pos[p0:p1]].float()
+        if undo is not None:
+            kx = undo(kx, p0, p1)
+        for name, x in (("k", kx), ("v", v[:, pos[p0:p1]])):
+            if kind == "exact":
+                out[f"zoom.{name}.{li}"][:, p0:p1] = x.to(sdt)
+            else:
+                q, sc = quantize_rows(x)
+                out[f"zoom.{name}.{li}"][:, p0:p1] = q
+                out[f"zoom.{name}s.{li}"][:, p0:p1] = sc
+        del kx
+    return out
 
 
 LAYER_PARTS = ("k", "ks", "v", "vs")
