@@ -31,6 +31,11 @@ def ingest(
     factor_bits: int = typer.Option(
         None, "--factor-bits", help="sekv: factor storage in the pack, 4 (default: 4-bit keys and 3-bit values at rest, int8 again in memory) or 8 (int8, as before)"
     ),
+    zoom_tier: str = typer.Option(
+        None, "--zoom-tier", help="sekv: what a zoomed block is read from: int8 / exact (the span tokens' own K and V stored in the "
+        "pack, int8 or the model's 16-bit; larger packs) or factors (the low-rank factors alone, the smallest pack); default: the "
+        "method's (docs/long-documents.md)"
+    ),
     rope_scaling: str = typer.Option(
         "auto", "--rope-scaling", help="positions past the model's window: auto (native when the document fits; full and the eviction "
         "methods get YaRN x2-x4 past it), none, or yarn:F"
@@ -51,6 +56,7 @@ def ingest(
     place = placement(device, device_map, max_memory)
     method = method or methods.DEFAULT_METHOD
     overrides = method_overrides(budget, router, routing) | ({"factor_bits": factor_bits} if factor_bits is not None else {})
+    overrides |= {"zoom_tier": zoom_tier} if zoom_tier is not None else {}
     params = methods.get(method).resolve_params(overrides)
     from sekv_core.documents import DEFAULT_GLOB, load_corpus
     from sekv_core.errors import stage

@@ -186,7 +186,7 @@ def test_each_ablation_answers_end_to_end(tiny_case, ablation):
 def test_ablated_segmentation_is_still_exact_at_full_expansion(tiny_case, ablation):
     """Every span expanded at full rank equals full KV whatever the spans are (SPEC §2.5)."""
     model, res = tiny_case
-    exact = {"zoom": "all", "budget": 1.0, "energy_k": 1.0, "energy_v": 1.0, "rank_max": 64, "factors_8bit": False,
+    exact = {"zoom": "all", "budget": 1.0, "energy_k": 1.0, "energy_v": 1.0, "rank_max": 64, "factors_8bit": False, "zoom_tier": "factors",
              "factor_dtype": "float32", "min_span": 8, "window": 16}
     p = SEKV.resolve_params({**exact, **ABLATIONS[ablation].overrides})
     mem = SEKV.open(Store(SEKV.compress(res, p)), p, res.shape, "cpu")

@@ -52,7 +52,7 @@ def _same_cap(monkeypatch):
     monkeypatch.setattr(gpu_step.BatchedStep, "_slots", reference_cap)
 
 
-@pytest.mark.parametrize("extra", [{}, {"factors_8bit": False}, {"key_space": "post_rope"}, {"head_masks": False}])
+@pytest.mark.parametrize("extra", [{}, {"factors_8bit": False}, {"key_space": "post_rope"}, {"head_masks": False}, {"zoom_tier": "int8"}, {"zoom_tier": "exact"}])
 def test_batched_step_equals_reference_step_under_the_cap(monkeypatch, extra):
     """Router path, cap binding: same kept spans, same stats, same logits as the reference (CPU) step."""
     _same_cap(monkeypatch)

@@ -30,6 +30,7 @@ EXACT = {
     "min_span": 8,
     "window": 16,
     "router": "untrained",  # a trained rank gate would drop components: exactness needs every one
+    "zoom_tier": "factors",  # the factors' own exactness (the zoom tier's: tests/test_zoom_tier.py)
 }
 STAT_KEYS = {"zoom_spans_step", "zoom_spans_total", "h2d_bytes_step", "h2d_bytes_total", "zoom_rate_per_layer", "span_zoom_counts", "budget_bytes", "appended_bytes", "span_order"}
 
@@ -149,7 +150,7 @@ def test_params_round_trip_through_the_manifest_and_are_checked():
     m = methods.get("sekv")
     p = m.resolve_params({"budget": 0.2, "routing": "per_layer", "zoom_unit": 4})
     assert m.resolve_params(json.loads(json.dumps(p.to_dict()))) == p and m.resolve_params(p) == p  # ingest resolves again
-    assert set(m.ask_time_params) == {"budget", "router", "routing", "profile_weight", "zoom_unit", "lexical_weight", "reposition", "coarse_mass", "prior_weight",
+    assert set(m.ask_time_params) == {"budget", "router", "routing", "profile_weight", "zoom_unit", "lexical_weight", "reposition", "coarse_mass", "prior_weight", "read_zoom_tier",
                                       "prior_pool"}
     with pytest.raises(SekvError, match="routing must be one of"):
         m.resolve_params({"routing": "both"})

@@ -64,7 +64,8 @@ def test_some_blocks_expanded_equals_hand_computed_mixed_softmax():
     + log(n_i - m_i), and disappears when every block of it is expanded."""
     pf = synthetic_prefill(n=260)
     m, params, store, mem = open_memory(pf, budget=1.0, zoom_unit=5, key_space="post_rope", factors_8bit=False,
-                                        factor_dtype="float32", energy_k=1.0, energy_v=1.0, rank_max=64, router="untrained")
+                                        factor_dtype="float32", energy_k=1.0, energy_v=1.0, rank_max=64, router="untrained",
+                                        zoom_tier="factors")
     S, B = mem.res.n_spans, mem.res.n_blocks
     first = [int((mem.res.block_span == i).nonzero()[0]) for i in range(S)]
     chosen = {first[1], first[1] + 1, first[3]} | {b for b in range(B) if int(mem.res.block_span[b]) == 5}  # span 5 whole

@@ -12,7 +12,8 @@ right-aligned before it).  The variants, on the SAME needles:
 * ``win@rp``       windowed ingest, re-positioned (the product's path past the window)
 * ``win@rp/cN``    the same with N carried tokens (``--carries``)
 * ``...:OPT+OPT``  options of the ask: ``packed`` / ``spread`` (``reposition``), ``KEY=VALUE`` an ask-time sekv
-                   parameter (``budget=0.6``, ``zoom_unit=32``), ``cb=X`` (study only) X added to every coarse entry's
+                   parameter (``budget=0.6``, ``zoom_unit=32``, ``read_zoom_tier=false``: the pack's factors, not its
+                   zoom tier), ``cb=X`` (study only) X added to every coarse entry's
                    score (its log of the tokens it stands for): ``cb=2.08`` makes an 8K document's coarse entries weigh
                    what a 64K one's do, ``cb=-100`` hides them
 * ``rag``, ``full`` the baselines
@@ -240,7 +241,7 @@ def main() -> None:
                         elif k_ == "cb":
                             cb = float(val)
                         else:
-                            p_v = p_v.replace(**{k_: type(getattr(p_v, k_))(json.loads(val) if val[:1].isdigit() or val[:1] == "-" else val)})
+                            p_v = p_v.replace(**{k_: type(getattr(p_v, k_))(json.loads(val) if val[:1].isdigit() or val[:1] == "-" or val in ("true", "false") else val)})
                     mem = sekv.open(DictStore(dict(packs[key])), p_v, shape, a.device)
                     row["cells"][v] = sekv_cell(lm, mem, q_ids, pq, needle, rest.startswith("rp"), stop_ids, pq.max_new_tokens, a.batched, cb)
                 c = row["cells"][v]

@@ -8,6 +8,7 @@ kept as they are:
 * spans, full-resolution tokens, anchors, coarse entries, scout profiles, lexical terms: concatenated in token order;
 * factors: appended to every (KV head) run of the packed layout (sekv/merge.py merge_factors); coded (factor_bits
   4) factors as a new segment coded on its own (sekv/codec.py, segments), the pack's segments untouched;
+* the zoom tier (sekv/zoom_tier.py), where the pack has one: the added span tokens' rows after the pack's;
 * the untrained router's projection W stays the pack's (its PCA was fit on the pack's keys; the key moments it came
   from are not stored), the added spans' norms computed with it; a trained router must be the one the pack names.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import SekvError
-from . import codec, layout, router
+from . import codec, layout, router, zoom_tier
 from .merge import Piece, _FACTOR_PARTS, _global_segmentation, merge_factors
 from .params import SekvParams
 
@@ -55,6 +56,12 @@ def append(store, pieces: list[Piece], params: SekvParams, n_tokens: int, lex_te
         if lex_terms is None or lex_terms.numel() != n_tokens - n_old:
             raise SekvError("the added documents' word terms are missing")
         out["sekv.lex.terms"] = torch.cat([old["sekv.lex.terms"], lex_terms.to(torch.int32).cpu()])
+    tier = "sekv.zoom.idx" in names  # the pack's zoom tier (sekv/zoom_tier.py): the added span tokens join it
+    idx = [p.tensors.pop("zoom.idx", None) for p in pieces]
+    if tier:
+        if any(i is None for i in idx):
+            raise SekvError("the pack keeps its span tokens' K / V (zoom tier) and the added documents' are missing; add with the pack's parameters")
+        out["sekv.zoom.idx"] = torch.cat([old["sekv.zoom.idx"], *(i + p.start for i, p in zip(idx, pieces))])
     coded = codec.CONFIG in names or codec.config_name("fv") in names
     segs = codec.segments(store, names) or [0, S_old]
     if coded and S_new:
@@ -74,6 +81,10 @@ def append(store, pieces: list[Piece], params: SekvParams, n_tokens: int, lex_te
         kbar = torch.cat([x.pop(f"coarse.k.{li}") for x in t], 1).to(sdt)
         out[f"sekv.coarse.k.{li}"] = torch.cat([old[f"sekv.coarse.k.{li}"], kbar], 1)
         out[f"sekv.coarse.v.{li}"] = torch.cat([old[f"sekv.coarse.v.{li}"], *(x.pop(f"coarse.v.{li}").to(sdt) for x in t)], 1)
+        for part in zoom_tier.LAYER_PARTS:
+            got = [x.pop(f"zoom.{part}.{li}", None) for x in t]
+            if tier and f"sekv.zoom.{part}.{li}" in names:
+                out[f"sekv.zoom.{part}.{li}"] = torch.cat([old[f"sekv.zoom.{part}.{li}"], *(g.to(old[f"sekv.zoom.{part}.{li}"].dtype) for g in got)], 1)
         w = old[f"sekv.router.w.{li}"]
         out[f"sekv.router.norm.{li}"] = torch.cat([old[f"sekv.router.norm.{li}"], router.span_norms(w.float(), kbar).float()], 1)
         for kind, kc in (("fk", kcfg), ("fv", vcfg)):

@@ -17,7 +17,7 @@ import torch
 from ..methods.base import ModelShape, PrefillResult
 from . import codec
 from . import factorize as fz
-from . import layout, merge, numbers, prior, rope, router, router_file, scout
+from . import layout, merge, numbers, prior, rope, router, router_file, scout, zoom_tier
 from .host_copies import HostCopies, to_host
 from .params import SekvParams
 from .segment import Segmentation, auto_lengths, fixed_segment, keep_exact, segment, zoom_blocks
@@ -193,6 +193,8 @@ def host_bound(n: int, shape: ModelShape, params: SekvParams) -> int:
     es = 1 if params.factors_8bit else torch.empty(0, dtype=getattr(torch, params.factor_dtype)).element_size()
     per_kind = hkv * n * r * es + hkv * s * r * d * es + 2 * hkv * n + 2 * hkv * s * r + 2 * hkv * s
     per_layer = 2 * per_kind + 2 * hkv * (f + s) * d * isz + hkv * params.d_r * d * 4 + hkv * s * 4
+    if params.zoom_tier != "factors":  # sekv/zoom_tier.py: every span token's K and V
+        per_layer += 2 * hkv * n * (d + 2 if params.zoom_tier == "int8" else d * isz)
     return L * (per_layer + 64 * 16)
 
 
@@ -306,6 +308,8 @@ def _compress_window(prefill: PrefillResult, params: SekvParams, trained, arena:
             c, s_ = rope.cos_sin(gpos[p0:p1], inv, scaling, dtype=dt)
             return c.to(dev), s_.to(dev)
     host = {k: t for k, t in out.items() if t.device.type == "cpu"}
+    if params.zoom_tier != "factors":
+        host["zoom.idx"] = pos.long().cpu()  # the tier's tokens (local positions, span order = document order)
     ctx = (pos.to(dev), sid.to(dev), weights, seg.full_idx.to(dev), seg.span_len, rot, trained)
     l0 = 0
     try:
@@ -380,6 +384,9 @@ def _layer_tensors(prefill: PrefillResult, params: SekvParams, li: int, chunks, 
     vbar = means(v, *chunks[0]) if one else torch.cat([means(v, *c) for c in chunks], 1)
     out[f"coarse.v.{li}"] = vbar.to(sdt)
     out[f"moment.{li}"] = _second_moment(k, chunks)
+    if params.zoom_tier != "factors":  # the span tokens' own K / V, what a zoomed block holds at ask time (sekv/zoom_tier.py)
+        undo = None if rot is None else (lambda x, p0, p1: rope.undo(x, *rot(p0, p1)))
+        out.update(zoom_tier.window_tensors(params.zoom_tier, k, v, pos, undo, chunks, sdt, li))
     if span_len.numel() == 0:
         out[f"keys.{li}"] = k.float()  # no span to scale the router on: the keys themselves (router.pca_init)
     depth = li / max(L - 1, 1)

@@ -108,6 +108,15 @@ class CpuStep:
         rows = fz.expand(dev, d, torch.float32)  # [2E, n_max, d]
         e = g.numel()
         idev = i.to(r.device)
+        if r.zoom_tier is not None:  # the pack's zoom tier: the covered tokens' own K / V replace the rebuilt rows
+            n_max = rows.shape[1]
+            j = torch.arange(n_max, device=r.device).view(1, -1)
+            tok = (r.block_start_dev[idev].view(-1, 1) + j).expand(e, n_max)
+            grp = g.to(r.device).view(-1, 1).expand(e, n_max)
+            hit, tk, tv = r.zoom_tier.lookup(layer, grp.flatten(), tok.flatten(), (j < r.block_len_dev[idev].view(-1, 1)).flatten())
+            hit = hit.view(e, n_max, 1)
+            rows[:e] = torch.where(hit, tk.view(e, n_max, d).float(), rows[:e])
+            rows[e:] = torch.where(hit, tv.view(e, n_max, d).float(), rows[e:])
         rows[:e] = self._rotate(r, rows[:e], r.block_start_dev[idev] if slots is None else slots[g.to(r.device), idev])
         out, blk, _ = place(rows.to(r.shape.dtype), g2.to(r.device), r.block_len_dev[i2.to(r.device)], 2 * hkv)
         slot_span = torch.where(blk[:hkv] >= 0, idev[blk[:hkv].clamp_min(0)], torch.full_like(blk[:hkv], -1))

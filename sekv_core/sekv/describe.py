@@ -1,4 +1,4 @@
-"""`sekv inspect` for a sekv pack: spans, zoom blocks, ranks, at-rest storage, sizes."""
+"""`sekv inspect` for a sekv pack: spans, zoom blocks, ranks, at-rest storage (factors, zoom tier), sizes."""
 
 from __future__ import annotations
 
@@ -64,6 +64,9 @@ def describe(store, params: SekvParams) -> dict[str, Any]:
         "factors": _factor_storage(store, names),
         "factor_bytes": int(factor_bytes),
         "factor_share": round(factor_bytes / max(tensor_bytes, 1), 4),
+        # what a zoomed block is read from (sekv/zoom_tier.py): the span tokens' own K / V, or the factors alone
+        "zoom_tier": ("int8" if "sekv.zoom.ks.0" in names else "exact") if "sekv.zoom.idx" in names else "factors",
+        "zoom_tier_bytes": int(sum(b for k, b in nbytes.items() if k.startswith("sekv.zoom."))),
         "pack_tensor_bytes": int(tensor_bytes),
         "raw_kv_fp16_bytes": int(raw),
         "pack_vs_raw": round(tensor_bytes / max(raw, 1), 4),

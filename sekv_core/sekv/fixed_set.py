@@ -204,6 +204,8 @@ class FixedSets:
         ok_t = slot_ok.view(hkv, ug)
         plan["src_pair"] = torch.where(ok_t, grp * pg + first.gather(1, p_of), torch.zeros_like(t)).flatten()
         plan["src_row"] = torch.where(ok_t, r.block_off_dev[blk] + j_of, torch.zeros_like(t)).flatten()
+        if r.zoom_tier is not None:  # each row's (group, document token): the pack's zoom tier replaces covered rows
+            plan["tier_rows"] = (grp.expand(-1, ug).flatten(), (r.block_start_dev[blk] + j_of).flatten(), ok_t.flatten())
         if r.layout is None:
             start = r.block_start_dev[blk]
         else:  # re-positioned (sekv/positions.py): the set's slots, fixed while it is
@@ -239,6 +241,11 @@ class FixedSets:
             self.base_slots[layer].copy_(plan["base_slots"])
             self.ledger.count_positions(plan["tokens"])
         krows = rec.index_select(0, src[0])
+        vrows = rec.index_select(0, src[1])
+        if r.zoom_tier is not None:  # the pack's zoom tier replaces the rows it covers (sekv/zoom_tier.py)
+            hit, tk, tv = r.zoom_tier.lookup(layer, *plan["tier_rows"])
+            krows = torch.where(hit.view(-1, 1), tk.to(krows.dtype), krows)
+            vrows = torch.where(hit.view(-1, 1), tv.to(vrows.dtype), vrows)
         if r.pre_rope:
             krows = rope.apply_swapped(krows.float(), *plan["rot"])
         slot_ok = plan["slot_ok"]  # empty rows come from an unfetched block: any bits, so select zeros
@@ -246,7 +253,7 @@ class FixedSets:
         zero = plan.get(("zero", rec.dtype))
         if zero is None:
             zero = plan[("zero", rec.dtype)] = torch.zeros((), dtype=rec.dtype, device=rec.device)
-        torch.where(slot_ok.view(hkv, ug, 1), rec.index_select(0, src[1]).view(hkv, ug, d), zero, out=av[0])
+        torch.where(slot_ok.view(hkv, ug, 1), vrows.view(hkv, ug, d), zero, out=av[0])
         return words
 
     def _causal(self, q: int, dtype, dev) -> torch.Tensor:

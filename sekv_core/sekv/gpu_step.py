@@ -406,19 +406,25 @@ class BatchedStep:
         j_of = t - (ends - n_ok)[p_of]  # slot -> row within its span
         slot_ok = (t < ends[-1]).view(-1, 1)
         src = torch.where(slot_ok.view(-1), torch.add(j_of, p_of, alpha=2 * b.n_max), 0)  # its K row in rec (V: n_max on)
+        kx = rec.index_select(0, src)
+        vx = rec.index_select(0, src + b.n_max)
+        if r.zoom_tier is not None:  # the pack's zoom tier replaces the rows it covers (sekv/zoom_tier.py)
+            hit, tk, tv = r.zoom_tier.lookup(layer, g[p_of], r.span_start_dev[i][p_of] + j_of, slot_ok.view(-1))
+            kx = torch.where(hit.view(-1, 1), tk.to(kx.dtype), kx)
+            vx = torch.where(hit.view(-1, 1), tv.to(vx.dtype), vx)
         if lay is None:
-            krows = r.rotate_doc(rec.index_select(0, src), r.span_start_dev[i][p_of] + j_of)
+            krows = r.rotate_doc(kx, r.span_start_dev[i][p_of] + j_of)
         else:  # a kept span's tokens are consecutive from its first block's slot
-            krows = r.rotate(rec.index_select(0, src), slots[g[p_of], lay.span_first_block.to(dev)[i[p_of]]] + j_of)
+            krows = r.rotate(kx, slots[g[p_of], lay.span_first_block.to(dev)[i[p_of]]] + j_of)
         # empty slots' rows come from an unfetched block: any bits, so select zeros
         if self.fixed is not None:  # a per-layer-routed forward of a fixed-set memory (the scout pass): workspace rows
             rk = torch.where(slot_ok, krows.to(r.shape.dtype), 0)
-            rv = torch.where(slot_ok, rec.index_select(0, src + b.n_max), 0)
+            rv = torch.where(slot_ok, vx, 0)
         else:
             rk, rv = self.rk[layer][:u], self.rv[layer][:u]
             empty = ~slot_ok
             rk.copy_(krows.masked_fill_(empty, 0))
-            torch.index_select(rec, 0, src + b.n_max, out=rv)
+            rv.copy_(vx)
             rv.masked_fill_(empty, 0)
         # head h sees slot t iff t is filled, t's group is h's and h itself wanted t's span
         mine = r.head_group.view(1, -1) == g.view(-1, 1)  # [P, H]

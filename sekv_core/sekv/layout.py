@@ -16,6 +16,9 @@
                    each token (sekv/prior.py)
   fk.l.* / fv.l.*  key / value factors (sekv/factorize.py); with factor_bits 4 coded at rest (sekv/codec.py,
                    factor_codec [4-5] int64, + factor_codec.fv where the values' code differs), decoded to int8 at open
+  zoom.idx [P] int64, zoom.k.l / zoom.v.l [Hkv, P, d] store dtype, or int8 with zoom.ks.l / zoom.vs.l [Hkv, P]
+                   float16: the zoom tier, every span token's own K (pre-RoPE where the factors are) and V, what a
+                   zoomed block holds (sekv/zoom_tier.py)
   factor_segments [K+1] int64: a pack `sekv add` extended, its coded factors in K segments of spans (sekv/codec.py)
 """
 
@@ -26,6 +29,7 @@ import torch
 from . import codec
 from . import factorize as fz
 from .params import SekvParams
+from .segment import span_token_index
 
 CONFIG_FIELDS = ("n_tokens", "n_layers", "n_kv_heads", "head_dim", "min_span", "max_span", "window", "n_sink")
 
@@ -154,6 +158,7 @@ def validate(store, shape, n_tokens: int) -> None:
         T(codec.SEGMENTS, ("int64",), ("K1",), optional=True, values=(0, N), increasing=True),
         T("sekv.prior.kvzip", f32, ("N",), optional=True, finite=True, values=(0, 1)),
         *(T(f"sekv.{k}.{{l}}.rank", ("int16",), ("Hkv", "S"), values=(0, shape.head_dim)) for k in ("fk", "fv")),
+        T("sekv.zoom.idx", ("int64",), ("P",), optional=True, values=(0, N - 1), increasing=True),
     ], dims, L)
     if dims["Hw"] not in (shape.n_heads, shape.n_kv_heads) or not 1 <= dims["dr"] <= 4096:
         raise _bad("the router's shape does not match the model")
@@ -165,6 +170,17 @@ def validate(store, shape, n_tokens: int) -> None:
     if ("sekv.router.sha256" in names) != ("sekv.router.ttau" in names):
         raise _bad("the trained router's tensors 'sekv.router.sha256' and 'sekv.router.ttau' come only together")
     hkv, d, T_ = shape.n_kv_heads, shape.head_dim, int(n.sum())
+    if "sekv.zoom.idx" in names:  # the zoom tier (sekv/zoom_tier.py): every span token, in order, its rows per layer
+        if dims["P"] != T_ or not torch.equal(store.get("sekv.zoom.idx"), span_token_index(start, end)[0]):
+            raise _bad("tensor 'sekv.zoom.idx' is not the spans' tokens")
+        int8 = "sekv.zoom.ks.0" in names
+        check_tensors(store, [
+            T("sekv.zoom.k.{l}", ("int8",) if int8 else FLOATS, ("Hkv", "P", "d")),  # not read at open: its sha256 when first zoomed
+            T("sekv.zoom.v.{l}", ("int8",) if int8 else FLOATS, ("Hkv", "P", "d")),
+            *((T("sekv.zoom.ks.{l}", ("float16",), ("Hkv", "P"), finite=True), T("sekv.zoom.vs.{l}", ("float16",), ("Hkv", "P"), finite=True)) if int8 else ()),
+        ], {**dims, "Hkv": hkv, "d": d}, L)
+    elif any(x.startswith("sekv.zoom.") for x in names):
+        raise _bad("the zoom tier's tensors come without 'sekv.zoom.idx'")
     for i in range(L):
         for kind in ("fk", "fv"):
             check_tensors(store, _factor_specs(store, names, f"sekv.{kind}.{i}", kind, n, hkv, d, T_), {})

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..methods.base import ModelShape
-from . import codec, layout, rope, router
+from . import codec, layout, rope, router, zoom_tier
 from . import factorize as fz
 from .params import SekvParams
 from .segment import Segmentation
@@ -94,6 +94,8 @@ def merge(pieces: list[Piece], moments: list[torch.Tensor], params: SekvParams, 
     out["sekv.scout.profile"] = torch.cat([p.tensors.pop("scout.profile") for p in pieces])
     if all("prior.kvzip" in p.tensors for p in pieces):  # the scout's KVzip prior (4 bytes a token, sekv/prior.py)
         out["sekv.prior.kvzip"] = torch.cat([p.tensors.pop("prior.kvzip") for p in pieces])
+    if all("zoom.idx" in p.tensors for p in pieces):  # the zoom tier's tokens (sekv/zoom_tier.py)
+        out["sekv.zoom.idx"] = torch.cat([p.tensors.pop("zoom.idx") + p.start for p in pieces])
     if lex_terms is not None:  # the scout's lexical evidence (4 bytes a token)
         out["sekv.lex.terms"] = lex_terms.to(torch.int32).cpu()
     unit = max(0, params.zoom_unit)
@@ -116,6 +118,9 @@ def merge(pieces: list[Piece], moments: list[torch.Tensor], params: SekvParams, 
         t = [p.tensors for p in pieces]
         for kv in "kv":
             out[f"sekv.full.{kv}.{li}"] = torch.cat([x.pop(f"full.{kv}.{li}") for x in t], 1)
+        for part in zoom_tier.LAYER_PARTS:
+            if f"zoom.{part}.{li}" in t[0]:
+                out[f"sekv.zoom.{part}.{li}"] = torch.cat([x.pop(f"zoom.{part}.{li}") for x in t], 1)
         kbar = torch.cat([x.pop(f"coarse.k.{li}") for x in t], 1)
         out[f"sekv.coarse.k.{li}"] = kbar.to(sdt)
         out[f"sekv.coarse.v.{li}"] = torch.cat([x.pop(f"coarse.v.{li}") for x in t], 1)

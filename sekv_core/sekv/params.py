@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from ..methods.params import DEFAULT_BUDGET, Params, ask_time
 from .router import D_R
+from .zoom_tier import TIERS
 
 PRIORS = ("none", "kvzip")  # sekv/prior.py
 POOLS = ("mean", "max")
@@ -30,7 +31,8 @@ COARSE_MASSES = ("window", "document", "none")
 @dataclass(frozen=True)
 class SekvParams(Params):
     method = "sekv"
-    absent_in_pack = {"number_share": 0.0}  # packs made before number tokens were kept exact
+    # packs made before number tokens were kept exact, before the zoom tier
+    absent_in_pack = {"number_share": 0.0, "zoom_tier": "factors"}
 
     # resident KV budget, a fraction of the document's full KV (also sizes the window and the spans at ingest)
     budget: float = ask_time(DEFAULT_BUDGET)
@@ -47,6 +49,10 @@ class SekvParams(Params):
     # number tokens (text with a digit) kept at full resolution, at most this share of the budget's tokens b x N
     # (sekv/numbers.py; longest numbers first); 0: none
     number_share: float = 0.0
+    # what a zoomed block holds (sekv/zoom_tier.py): "int8" / "exact" the span tokens' own K / V stored in the pack
+    # (int8 with a scale a row / the store dtype), read in place of the factors' rebuild; "factors": the rebuild
+    zoom_tier: str = "int8"
+    read_zoom_tier: bool = ask_time(True)  # False: a pack's zoom tier is not read (the factors' rebuild, as without one)
     # factors (sekv/factorize.py, sekv/codec.py)
     rank_max: int = 32
     energy_k: float = 0.99  # untrained rank rule: the smallest rank keeping this share of sigma^2
@@ -104,6 +110,7 @@ class SekvParams(Params):
         self._one_of("scale_bits", (8, 16))
         self._one_of("prior", PRIORS)
         self._one_of("prior_pool", POOLS)
+        self._one_of("zoom_tier", TIERS)
         if self.router not in ("auto", "untrained"):  # a router file: recorded absolute, found from any directory
             object.__setattr__(self, "router", str(Path(self.router).expanduser().resolve()))
 

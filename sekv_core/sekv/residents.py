@@ -25,6 +25,7 @@ from . import layout, lexical, positions, rope, router
 from .attention import coarse_scores, route
 from .params import SekvParams
 from .segment import zoom_blocks
+from .zoom_tier import ZoomTier
 
 
 def apply_tau_mode(rt: router.Router, mode: str) -> router.Router:
@@ -86,6 +87,8 @@ class Residents:
         # K and V factors stacked per layer, so one gather and one batched product serve both (V: heads Hkv..2Hkv-1);
         # on an accelerator read when the batched step first needs them, not at open (layout.PackFactors)
         self.factors = layout.PackFactors(store, self.names, L, self.span_len, shape.head_dim, device)
+        # the span tokens' own K / V where the pack keeps them: what a zoomed block holds (sekv/zoom_tier.py)
+        self.zoom_tier = ZoomTier.of(store, self.names, shape, device) if params.read_zoom_tier else None
         self.head_group = torch.arange(shape.n_heads, device=device) // (shape.n_heads // shape.n_kv_heads)  # query head -> its KV group
         if not (LAZY_FACTORS == "always" or (self.cuda and LAZY_FACTORS == "cuda")):
             self.factors.load_all()
