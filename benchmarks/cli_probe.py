@@ -120,6 +120,16 @@ def _install() -> None:
     wrap(gpu_step, "build_blocks", "sekv_step_build")
     wrap(gpu_step.BlockBuild, "result", "sekv_blocks_wait")
     wrap(gpu_step.BlockBuild, "result_or_none", "sekv_blocks_wait")  # the build started before the model load
+    # the layers that build kept in device memory (moved to pinned host memory in pauses: sekv/blocks.py HostPinning)
+    import sekv_core.sekv.blocks as fb
+
+    pin_init = fb.HostPinning.__init__
+
+    def kept(self, blocks, layers, *a, **k):
+        pin_init(self, blocks, layers, *a, **k)
+        RECORD["blocks_kept"] = {"layers": len(layers), "of": len(blocks), "bytes": self.device_bytes()}
+
+    fb.HostPinning.__init__ = kept
     if os.environ.get("SEKV_PROBE_FIXED_SDPA"):  # how sekv's fixed sets call SDPA (sekv/fixed_set.py SDPA_LAYOUT)
         import sekv_core.sekv.fixed_set as fixed_set
 

@@ -154,9 +154,34 @@ def build(f: fz.Factors, span_len: torch.Tensor, d: int, device, pin: bool, work
 def to_host(words: torch.Tensor, pin: bool, non_blocking: bool = False) -> torch.Tensor:
     """A copy of the block words in host memory, page-locked where ``pin`` (non_blocking: the copy from the device
     is left in flight on the current stream)."""
-    host = torch.empty(words.numel(), dtype=torch.int64, pin_memory=pin)
+    host = page_locked(words.numel()) if pin else torch.empty(words.numel(), dtype=torch.int64)
     host.copy_(words, non_blocking=non_blocking)
     return host
+
+
+#: page-lock block words at their own size (:func:`page_locked`); False: torch's pinned allocator
+EXACT_PINNING = True
+
+
+def page_locked(n: int) -> torch.Tensor:
+    """int64 [n] in page-locked host memory.  torch's pinned allocator rounds every allocation up to a power of two
+    (one layer's 284 MiB of blocks would lock 512 MiB) and faults the pages in inside the CUDA call, which holds the
+    driver; here ordinary memory is allocated and every page touched first (CPU work, no CUDA call), then registered
+    with CUDA at its own size (cudaHostRegister; unregistered when the tensor goes).  Falls back to torch's pinned
+    allocator where registering fails."""
+    if EXACT_PINNING and n and torch.cuda.is_available():
+        t = torch.zeros(n, dtype=torch.int64)
+        rt = torch.cuda.cudart()
+        try:  # portable and mapped (1 | 2): every device reads it through the same pointer (UVA, device_view)
+            ok = int(rt.cudaHostRegister(t.data_ptr(), n * 8, 3)) == 0
+        except Exception:  # noqa: BLE001 - a runtime without the binding
+            ok = False
+        if ok and t.is_pinned():
+            weakref.finalize(t, rt.cudaHostUnregister, t.data_ptr()).atexit = False
+            return t
+        if ok:
+            rt.cudaHostUnregister(t.data_ptr())
+    return torch.empty(n, dtype=torch.int64, pin_memory=True)
 
 
 def _al_i(x: int) -> int:
