@@ -147,7 +147,8 @@ class ZoomMemory(KVMemory):
         ranked = self.ranking is not None and self.ranking.kind == "scout" and self.ranking.ready and self.res.n_spans
         order = self.ranking.span_order(self.res.block_span, self.res.n_spans) if ranked else []
         resident = self.ledger.resident if self.ledger.steps else self.resident_bytes()
-        return StepStats(resident_bytes=int(resident), extra={**self.ledger.stats(), "span_order": order})
+        kept = self.pinning.device_bytes() if self.pinning is not None else 0  # factor blocks not moved to host memory yet
+        return StepStats(resident_bytes=int(resident), extra={**self.ledger.stats(), "span_order": order, "blocks_on_device_bytes": kept})
 
     def resident_now(self) -> int:
         return int(self.ledger.resident if self.ledger.steps else self.resident_bytes())  # as step_stats(), no stats
