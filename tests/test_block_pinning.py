@@ -184,3 +184,26 @@ def test_cuda_kept_blocks_stay_within_their_share(monkeypatch):
     m = _batched(store, p, res, "cuda")
     m._step()
     assert m.pinning is None and all(x.uva for x in m.step.blocks)
+
+
+def test_factor_checks_of_the_early_build_catch_damaged_factors_only():
+    """start_blocks checks only what the build reads (layout.validate factors_only): damaged factors or spans fail
+    there as in the open's full check; a NaN in a coarse entry (not read by the build) fails only the full check."""
+    from sekv_core.errors import PackError
+    from sekv_core.methods.base import DictStore
+    from sekv_core.sekv import layout
+
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=300, budget=0.5, min_span=10)
+    t = {k: store.get(k) for k in store.keys()}
+    layout.validate(DictStore(t), res.shape, len(ids), factors_only=True)
+    names = [k for k in t if k.startswith("sekv.fk.1.") and k != "sekv.fk.1.rank"]
+    short = dict(t, **{names[0]: t[names[0]][:-1]})
+    rank = dict(t, **{"sekv.fv.0.rank": t["sekv.fv.0.rank"] + 1000})
+    for bad in (short, rank):
+        for fo in (True, False):
+            with pytest.raises(PackError):
+                layout.validate(DictStore(bad), res.shape, len(ids), factors_only=fo)
+    nan = dict(t, **{"sekv.coarse.k.0": torch.full_like(t["sekv.coarse.k.0"], float("nan"))})
+    layout.validate(DictStore(nan), res.shape, len(ids), factors_only=True)
+    with pytest.raises(PackError):
+        layout.validate(DictStore(nan), res.shape, len(ids))

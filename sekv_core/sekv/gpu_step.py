@@ -165,9 +165,9 @@ class _Source:
 
 def start_blocks(store, shape, n_tokens: int, device) -> None:
     """The factor blocks of a pack that is about to be opened on CUDA ``device``, built on a second thread from now
-    (in `sekv ask` / `chat`: while the model loads), after the pack's tensors pass the checks open() relies on
-    (sekv/layout.py validate, with the manifest's shape; a pack that fails them is not built: the open raises the
-    error).  :meth:`take_blocks` hands the build to the memory opened for the same store and device."""
+    (in `sekv ask` / `chat`: while the model loads), after the tensors it reads pass the checks open() relies on
+    (sekv/layout.py validate, factors_only, with the manifest's shape; a pack that fails them is not built: the open
+    raises the error).  :meth:`take_blocks` hands the build to the memory opened for the same store and device."""
     device = _device(device)
     if device.type != "cuda":
         return
@@ -175,7 +175,7 @@ def start_blocks(store, shape, n_tokens: int, device) -> None:
     def source():
         from . import layout
 
-        layout.validate(store, shape, n_tokens)
+        layout.validate(store, shape, n_tokens, factors_only=True)
         return _Source(store, shape, device)
 
     _EARLY[id(store)] = (store, device, BlockBuild(source))
