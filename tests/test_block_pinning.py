@@ -148,6 +148,7 @@ def test_cuda_blocks_kept_on_the_device_then_pinned_answer_the_same(monkeypatch)
     runtime.install(gmodel)
     monkeypatch.setattr(gpu_step, "DEVICE_SHARE", 0.0)
     pinned = _batched(store, p, res, "cuda")
+    pinned._step()  # its build (a thread) read the share
     monkeypatch.setattr(gpu_step, "DEVICE_SHARE", 0.10)
     gpu_step.start_blocks(store, res.shape, pinned.res.n_doc, "cuda")
     kept = _batched(store, p, res, "cuda")
