@@ -20,6 +20,12 @@ the current stream, with no sync and no host-side staging (46.6 GB/s against
 past a block's used part re-read its last word.  On the CPU (tests) the same code
 reads the plain tensor.
 
+Where they are first: on one CUDA device the build keeps them in device memory (up
+to a share of it, sekv/gpu_step.py build_blocks), where the same gather reads them
+at once, and :class:`HostPinning` moves them to page-locked host memory in a pause
+between questions; page-locking every layer before the first question was most of
+its wait (docs/gpu.md, "The factor blocks before the first question").
+
 ``unpack`` is then views and two multiplies: (U*sigma [P, 2, n, r], Vt [P, 2, r, d]).
 """
 
