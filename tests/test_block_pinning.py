@@ -208,3 +208,17 @@ def test_factor_checks_of_the_early_build_catch_damaged_factors_only():
     layout.validate(DictStore(nan), res.shape, len(ids), factors_only=True)
     with pytest.raises(PackError):
         layout.validate(DictStore(nan), res.shape, len(ids))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_page_locked_memory_is_mapped_at_its_own_size():
+    """blocks.page_locked: page-locked (registered, not torch's power-of-two pinned allocation) host memory of exactly
+    the size asked, read by the device through its mapped view; registered again after it went (unregistered)."""
+    for _ in range(2):
+        t = fb.page_locked(1000 * 1000 + 3)
+        assert t.is_pinned() and t.numel() == 1000 * 1000 + 3 and t.dtype == torch.int64
+        t.copy_(torch.arange(t.numel()))
+        v = fb.device_view(t, torch.device("cuda"))
+        assert v is not None and torch.equal(v.index_select(0, torch.tensor([0, 5, t.numel() - 1], device="cuda")).cpu(),
+                                             torch.tensor([0, 5, t.numel() - 1]))
+        del v, t
