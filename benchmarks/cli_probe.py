@@ -124,6 +124,16 @@ def _install() -> None:
     if os.environ.get("SEKV_PROBE_WARM") == "0":  # no warm-up of the question's kernels on the blocks' thread
         gpu_step.WARM_KERNELS = False
     RECORD["warm_kernels"] = gpu_step.WARM_KERNELS
+    # the layers that build kept in device memory (moved to pinned host memory in pauses: sekv/blocks.py HostPinning)
+    import sekv_core.sekv.blocks as fb
+
+    pin_init = fb.HostPinning.__init__
+
+    def kept(self, blocks, layers, *a, **k):
+        pin_init(self, blocks, layers, *a, **k)
+        RECORD["blocks_kept"] = {"layers": len(layers), "of": len(blocks), "bytes": self.device_bytes()}
+
+    fb.HostPinning.__init__ = kept
     if os.environ.get("SEKV_PROBE_FIXED_SDPA"):  # how sekv's fixed sets call SDPA (sekv/fixed_set.py SDPA_LAYOUT)
         import sekv_core.sekv.fixed_set as fixed_set
 

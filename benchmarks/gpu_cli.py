@@ -247,6 +247,9 @@ def summarize(rec: dict) -> dict:
         "scout_s": a0.get("scout_s"),
         "step_build_s": g("sekv_step_build"),  # the batched step's blocks, on a second thread from the open
         "blocks_wait_s": g("sekv_blocks_wait"),  # what the first scout waited for them
+        # of them, what the build kept in device memory (the rest page-locked before the first question)
+        "blocks_kept_layers": (ap.get("blocks_kept") or {}).get("layers"),
+        "blocks_kept_gib": (ap.get("blocks_kept") or {}).get("bytes", 0) / GIB,
         "fixed_sdpa": ap.get("fixed_sdpa", "gqa"),  # $SEKV_PROBE_FIXED_SDPA
         "warm_kernels": ap.get("warm_kernels"),  # $SEKV_PROBE_WARM
         "ttft_s": st.get("ttft_s", (js.get("timings") or {}).get("ttft_s")),

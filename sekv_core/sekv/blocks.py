@@ -20,11 +20,20 @@ the current stream, with no sync and no host-side staging (46.6 GB/s against
 past a block's used part re-read its last word.  On the CPU (tests) the same code
 reads the plain tensor.
 
+Where they are first: on one CUDA device the build keeps them in device memory (up
+to a share of it, sekv/gpu_step.py build_blocks), where the same gather reads them
+at once, and :class:`HostPinning` moves them to page-locked host memory in a pause
+between questions; page-locking every layer before the first question was most of
+its wait (docs/gpu.md, "The factor blocks before the first question").
+
 ``unpack`` is then views and two multiplies: (U*sigma [P, 2, n, r], Vt [P, 2, r, d]).
 """
 
 from __future__ import annotations
 
+import threading
+import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -81,7 +90,7 @@ class Blocks:
 
 
 def build(f: fz.Factors, span_len: torch.Tensor, d: int, device, pin: bool, work_device=None, r_max: int | None = None,
-          wait: bool = True) -> Blocks:
+          wait: bool = True, keep: bool = False) -> Blocks:
     """Re-lay one layer's packed factors, K and V stacked (``fz.stack_kv``: rank [2 Hkv, S], V blocks are
     heads Hkv..2Hkv-1), as fixed-stride blocks (see module doc).
 
@@ -90,6 +99,8 @@ def build(f: fz.Factors, span_len: torch.Tensor, d: int, device, pin: bool, work
     ``span_len`` on the host, the re-layout on an accelerator reads nothing back from it until the blocks' copy
     to the host.  ``wait`` False: that copy into pinned memory is left in flight on the current stream (the caller
     synchronises once for all layers before the host or another stream reads them: gpu_step.build_blocks).
+    ``keep``: the blocks stay where they were re-laid (``work_device``: device memory the step gathers from
+    directly, no pinning); :class:`HostPinning` moves them to pinned host memory later.
     """
     device = torch.device(device)
     wd = torch.device(work_device) if work_device is not None else torch.device("cpu")
@@ -134,10 +145,8 @@ def build(f: fz.Factors, span_len: torch.Tensor, d: int, device, pin: bool, work
             buf[:, oc : oc + lc].view(torch.float16).copy_(uss.view(2, hkv, s, nm).permute(1, 2, 3, 0).reshape(nb, -1))  # [n, 2]
     used = (od + n.view(1, -1).expand(hkv, -1) * 2 * rm * es + _A - 1) // _A  # [Hkv, S] words
     words = buf.view(-1).view(torch.int64)
-    if wd.type != "cpu" or pin:
-        host = torch.empty(words.numel(), dtype=torch.int64, pin_memory=pin)
-        host.copy_(words, non_blocking=pin and not wait and words.is_cuda)
-        words = host
+    if not keep and (wd.type != "cpu" or pin):
+        words = to_host(words, pin, non_blocking=pin and not wait and words.is_cuda)
     view = device_view(words, device) if device.type == "cuda" else None
     return Blocks(
         words=words,
@@ -153,6 +162,39 @@ def build(f: fz.Factors, span_len: torch.Tensor, d: int, device, pin: bool, work
         uva=view is not None,
         cols=torch.arange(stride, device=device).view(1, -1),
     )
+
+
+def to_host(words: torch.Tensor, pin: bool, non_blocking: bool = False) -> torch.Tensor:
+    """A copy of the block words in host memory, page-locked where ``pin`` (non_blocking: the copy from the device
+    is left in flight on the current stream)."""
+    host = page_locked(words.numel()) if pin else torch.empty(words.numel(), dtype=torch.int64)
+    host.copy_(words, non_blocking=non_blocking)
+    return host
+
+
+#: page-lock block words at their own size (:func:`page_locked`); False: torch's pinned allocator
+EXACT_PINNING = True
+
+
+def page_locked(n: int) -> torch.Tensor:
+    """int64 [n] in page-locked host memory.  torch's pinned allocator rounds every allocation up to a power of two
+    (one layer's 284 MiB of blocks would lock 512 MiB) and faults the pages in inside the CUDA call, which holds the
+    driver; here ordinary memory is allocated and every page touched first (CPU work, no CUDA call), then registered
+    with CUDA at its own size (cudaHostRegister; unregistered when the tensor goes).  Falls back to torch's pinned
+    allocator where registering fails."""
+    if EXACT_PINNING and n and torch.cuda.is_available():
+        t = torch.zeros(n, dtype=torch.int64)
+        rt = torch.cuda.cudart()
+        try:  # portable and mapped (1 | 2): every device reads it through the same pointer (UVA, device_view)
+            ok = int(rt.cudaHostRegister(t.data_ptr(), n * 8, 3)) == 0
+        except Exception:  # noqa: BLE001 - a runtime without the binding
+            ok = False
+        if ok and t.is_pinned():
+            weakref.finalize(t, rt.cudaHostUnregister, t.data_ptr()).atexit = False
+            return t
+        if ok:
+            rt.cudaHostUnregister(t.data_ptr())
+    return torch.empty(n, dtype=torch.int64, pin_memory=True)
 
 
 def _al_i(x: int) -> int:
@@ -195,3 +237,131 @@ def unpack(b: Blocks, rows: torch.Tensor, dtype=torch.float32) -> tuple[torch.Te
         vt = vt * by[:, ob : ob + 2 * rm * 2].view(torch.float16).reshape(p, 2, rm, 1).to(dtype)
         us = us * by[:, oc : oc + nm * 2 * 2].view(torch.float16).reshape(p, nm, 2, 1).to(dtype)
     return us.transpose(1, 2), vt
+
+
+def move_to_host(b: Blocks, device, pin: bool, non_blocking: bool = False) -> None:
+    """Blocks kept on the device (``build(keep=True)``) -> host memory, in place (the words, what the gather reads)."""
+    install(b, to_host(b.words, pin, non_blocking=non_blocking), torch.device(device))
+
+
+def install(b: Blocks, host: torch.Tensor, device: torch.device) -> bool:
+    """Make ``host`` (a finished host copy of ``b.words``) the blocks' words, read through its mapped view on CUDA;
+    False (nothing changed) where CUDA cannot map it: a gather from the device's copy beats one staged on the host."""
+    view = device_view(host, device) if device.type == "cuda" else None
+    if device.type == "cuda" and view is None and b.words.is_cuda:
+        return False
+    b.words, b.src, b.uva = host, view if view is not None else host, view is not None
+    return True
+
+
+#: seconds without a forward before :class:`HostPinning` page-locks the next layer's blocks: page-locking holds the
+#: CUDA driver (docs/gpu.md: the prefill beside a page-locked arena grew by as much), so it waits for a pause
+#: between questions instead of slowing one
+IDLE_S = 2.0
+
+
+class HostPinning:
+    """Factor blocks kept in device memory after their build (so the first question gathers from them at once, not
+    after every layer's page-locking) moved to pinned host memory while the memory is idle.
+
+    A thread copies one layer at a time, and only after ``idle_s`` without a :meth:`touch` (the memory touches it in
+    every forward's layers and single-token steps); its copy stays aside until :meth:`settle`, called by the memory
+    between forwards, installs it (the layer's ``words`` / ``src`` replaced in place, the device copy dropped), so no
+    forward sees a layer change under it.  :meth:`settle` first waits for a copy in flight (a layer at most), so no
+    page-locking runs beside a CUDA-graph capture.  :meth:`key` changes with every installed layer (a captured step
+    that read the device copies is not replayed).  Layers not moved (a `sekv ask` that ends before a pause) stay on
+    the device until the memory goes."""
+
+    def __init__(self, blocks: list[Blocks], layers: list[int], device, pin: bool = True, idle_s: float | None = None):
+        self.blocks, self.device, self.pin = blocks, torch.device(device), pin
+        self.idle_s = IDLE_S if idle_s is None else idle_s
+        self.todo = list(layers)  # the layers still on the device, in order
+        self.ready: dict[int, torch.Tensor] = {}  # copied, not installed yet
+        self.installed = 0
+        self.lock = threading.Lock()  # held while a layer is copied
+        self.last = time.monotonic()
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        self._stream = None
+
+    def device_bytes(self) -> int:
+        """Bytes of blocks still on the device (copied or not)."""
+        return sum(self.blocks[i].words.numel() * 8 for i in range(len(self.blocks)) if self.blocks[i].words.device.type != "cpu")
+
+    def pending(self) -> int:
+        """Layers not installed yet."""
+        with self.lock:
+            return len(self.todo) + len(self.ready)
+
+    def touch(self) -> None:
+        """The memory is in use now; the first touch starts the thread (never before the first question)."""
+        self.last = time.monotonic()
+        if self.thread is None and self.todo:
+            self.thread = threading.Thread(target=_pin_loop, args=(weakref.ref(self),), name="sekv-pin", daemon=True)
+            self.thread.start()
+            # when the memory goes, and at exit: no copy starts, the one in flight ends first
+            weakref.finalize(self, _stop, self.stop, self.lock)
+
+    def settle(self) -> None:
+        """Between forwards: touch, wait for a copy in flight, install the finished ones."""
+        self.touch()
+        with self.lock:
+            ready, self.ready = self.ready, {}
+        for layer, host in ready.items():
+            if install(self.blocks[layer], host, self.device):
+                self.installed += 1
+
+    def key(self) -> tuple:
+        return ("pinned", self.installed)
+
+    def finish(self) -> None:
+        """Copy and install every layer now (tests; a caller that wants the device memory back)."""
+        with self.lock:
+            while self.todo:
+                self._copy_next()
+        self.settle()
+
+    def _copy_next(self) -> None:  # under self.lock
+        layer = self.todo[0]
+        words = self.blocks[layer].words
+        if words.is_cuda:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(words.device)
+            with torch.cuda.stream(self._stream):  # the build finished its stream's work before handing the blocks over
+                host = to_host(words, self.pin, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self._stream)
+            while not done.query():  # polled, not a stream sync (none that torch's sync debug mode would count)
+                time.sleep(0.001)
+        else:
+            host = to_host(words, self.pin)
+        self.ready[layer] = host
+        self.todo.pop(0)
+
+
+def _pin_loop(ref) -> None:
+    while True:
+        p = ref()
+        if p is None or p.stop.is_set():
+            return
+        wait = p.idle_s - (time.monotonic() - p.last)
+        if wait <= 0:
+            with p.lock:
+                if not p.todo:
+                    return
+                if time.monotonic() - p.last >= p.idle_s and not p.stop.is_set():
+                    try:
+                        with torch.inference_mode():
+                            p._copy_next()
+                    except Exception:  # noqa: BLE001 - e.g. no host memory to lock: the layers stay on the device
+                        return
+            wait = 0.0
+        stop = p.stop
+        del p  # the thread holds no reference while it waits: the memory's end ends it
+        stop.wait(max(wait, 0.001))
+
+
+def _stop(stop: threading.Event, lock: threading.Lock) -> None:
+    stop.set()
+    with lock:
+        pass

@@ -43,15 +43,35 @@ from .scout import Ranking
 SCOUT_CHUNK_BYTES = 64 << 20
 
 
-def build_blocks(res: Residents) -> list[fb.Blocks]:
+#: BlockBuild on one CUDA device: the share of the device's memory the factor blocks may keep there after their
+#: build, and the share that must stay free beside them.  The first question then gathers from them at once instead
+#: of waiting for every layer's page-locking (2.8 GB/s on the H200, holding the driver: docs/gpu.md); they move to
+#: pinned host memory in a pause between questions (sekv/blocks.py HostPinning).  0: pinned from the start.
+DEVICE_SHARE = 0.10
+FREE_SHARE = 0.25
+
+
+def build_blocks(res: Residents, keep: float = 0.0) -> list[fb.Blocks]:
     """Every layer's factor blocks (sekv/blocks.py): the factors decoded and re-laid on the accelerator, kept in
-    pinned host memory there; on a model placed across devices, each layer's on its layer's device."""
+    pinned host memory there; on a model placed across devices, each layer's on its layer's device.  ``keep``: on
+    one CUDA device, layers stay in device memory (``words`` there) while all kept take at most this share of it
+    and FREE_SHARE of it stays free."""
     if res.split:
         return _build_blocks_per_layer(res)
     wd = res.device if res.cuda else None
-    out = [fb.build(res.factors.on_device(i), res.span_len, res.shape.head_dim, res.device, pin=res.cuda, work_device=wd, r_max=res.factors.rank_max(i),
-                    wait=not res.cuda) for i in range(res.shape.n_layers)]
-    if res.cuda:  # every layer's copy to pinned memory was left in flight: one wait for all of them
+    total = torch.cuda.mem_get_info(res.device)[1] if res.cuda and keep > 0 else 0
+    out, kept = [], 0
+    for i in range(res.shape.n_layers):
+        b = fb.build(res.factors.on_device(i), res.span_len, res.shape.head_dim, res.device, pin=res.cuda, work_device=wd,
+                     r_max=res.factors.rank_max(i), wait=not res.cuda, keep=res.cuda)
+        if res.cuda:
+            n = b.words.numel() * 8
+            if total and kept + n <= keep * total and torch.cuda.mem_get_info(res.device)[0] >= FREE_SHARE * total:
+                kept += n
+            else:  # to pinned memory, the copy left in flight
+                fb.move_to_host(b, res.device, pin=True, non_blocking=True)
+        out.append(b)
+    if res.cuda:  # every layer's copy to pinned memory was left in flight: one wait for all of them (and the kept ones')
         torch.cuda.current_stream(res.device).synchronize()
     return out
 
@@ -136,13 +156,16 @@ class BlockBuild:
     """:func:`build_blocks` on a second thread, started when the pack opens, so that the first question finds the
     blocks made (or waits only for the rest) instead of building them inside its scout pass: in `sekv chat` they
     are made while the question is typed, in `sekv ask` while the question is prepared (:func:`start_blocks`: from
-    the pack's read, while the model loads).  ``result()`` joins; an
+    the pack's read, while the model loads).  On one CUDA device the layers stay in device memory (up to
+    DEVICE_SHARE of it) and ``pinning`` moves them to pinned host memory later.  ``result()`` joins; an
     error of the build (a damaged pack) is raised there, in the first forward, where it was raised before."""
 
     def __init__(self, res):
         """res: the opened pack (Residents), or a function run first on the thread that returns what build_blocks
         reads of one (start_blocks: the checks of the pack, then its factors)."""
         self._blocks: list[fb.Blocks] | None = None
+        #: what moves the layers kept in device memory to pinned host memory (None: none kept)
+        self.pinning: fb.HostPinning | None = None
         self._error: BaseException | None = None
         self.warm_error: Exception | None = None  # what warm_kernels raised (the blocks are built; nothing else depends on it)
         self._built = threading.Event()  # set once the blocks are built or failed (the warm-up after them is not waited for)
@@ -155,7 +178,10 @@ class BlockBuild:
                 res = res()
             # as inside the forward that would otherwise build them; a thread starts on the first GPU: the pack's
             with torch.inference_mode(), (torch.cuda.device(res.device) if res.cuda else contextlib.nullcontext()):
-                self._blocks = build_blocks(res)
+                blocks = build_blocks(res, keep=DEVICE_SHARE if res.cuda and not res.split else 0.0)
+            kept = [i for i, b in enumerate(blocks) if b.words.device.type != "cpu"]
+            self.pinning = fb.HostPinning(blocks, kept, res.device) if kept else None
+            self._blocks = blocks
         except BaseException as e:  # noqa: BLE001 - handed to result()
             self._error = e
             return
@@ -208,9 +234,9 @@ class _Source:
 
 def start_blocks(store, shape, n_tokens: int, device) -> None:
     """The factor blocks of a pack that is about to be opened on CUDA ``device``, built on a second thread from now
-    (in `sekv ask` / `chat`: while the model loads), after the pack's tensors pass the checks open() relies on
-    (sekv/layout.py validate, with the manifest's shape; a pack that fails them is not built: the open raises the
-    error).  :meth:`take_blocks` hands the build to the memory opened for the same store and device."""
+    (in `sekv ask` / `chat`: while the model loads), after the tensors it reads pass the checks open() relies on
+    (sekv/layout.py validate, factors_only, with the manifest's shape; a pack that fails them is not built: the open
+    raises the error).  :meth:`take_blocks` hands the build to the memory opened for the same store and device."""
     device = _device(device)
     if device.type != "cuda":
         return
@@ -218,7 +244,7 @@ def start_blocks(store, shape, n_tokens: int, device) -> None:
     def source():
         from . import layout
 
-        layout.validate(store, shape, n_tokens)
+        layout.validate(store, shape, n_tokens, factors_only=True)
         return _Source(store, shape, device)
 
     _EARLY[id(store)] = (store, device, BlockBuild(source))

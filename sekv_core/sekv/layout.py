@@ -125,10 +125,16 @@ def _bad(what: str):
     return PackError(f"{what}; the pack is damaged or was not written by sekv, re-ingest the document")
 
 
-def validate(store, shape, n_tokens: int) -> None:
+#: what the factor blocks' build reads (sekv/gpu_step.py start_blocks: ``validate(factors_only=True)``)
+_FACTOR_SPECS = ("sekv.span_start", "sekv.span_end", "sekv.full_idx", codec.SEGMENTS, "sekv.fk.{l}.rank", "sekv.fv.{l}.rank")
+
+
+def validate(store, shape, n_tokens: int, factors_only: bool = False) -> None:
     """Every tensor the memory (sekv/memory.py) and describe() read, against the table above: dtypes, shapes against
     N / S / F and the model, spans inside the document and disjoint, indices in range, ranks <= min(span length, d),
-    and the factors' and codes' lengths.  Raises PackError (the parameters were checked by SekvParams)."""
+    and the factors' and codes' lengths.  Raises PackError (the parameters were checked by SekvParams).
+    ``factors_only``: only what the factor blocks' build reads (the config, the spans, the factors and their codes),
+    not the full-resolution tokens, coarse entries, router and tables the open checks too."""
     from ..pack import FLOATS, TensorSpec as T, check_tensors, model_dims
 
     L, N = shape.n_layers, n_tokens
@@ -138,7 +144,7 @@ def validate(store, shape, n_tokens: int) -> None:
         raise _bad("tensor 'sekv.config' does not match the document and model")
     pre = int(store.get("sekv.key_space")[0]) == 1
     f32 = ("float32",)
-    dims = check_tensors(store, [
+    specs = [
         T("sekv.rope_inv_freq", f32, (shape.head_dim // 2,), optional=not pre, finite=True),
         T("sekv.rope_scaling", f32, (1,), optional=not pre, finite=True),
         T("sekv.span_start", ("int64",), ("S",), values=(0, N - 1), increasing=True),
@@ -159,18 +165,21 @@ def validate(store, shape, n_tokens: int) -> None:
         T("sekv.prior.kvzip", f32, ("N",), optional=True, finite=True, values=(0, 1)),
         *(T(f"sekv.{k}.{{l}}.rank", ("int16",), ("Hkv", "S"), values=(0, shape.head_dim)) for k in ("fk", "fv")),
         T("sekv.zoom.idx", ("int64",), ("P",), optional=True, values=(0, N - 1), increasing=True),
-    ], dims, L)
-    if dims["Hw"] not in (shape.n_heads, shape.n_kv_heads) or not 1 <= dims["dr"] <= 4096:
+    ]
+    dims = check_tensors(store, [t for t in specs if t.name in _FACTOR_SPECS] if factors_only else specs, dims, L)
+    if not factors_only and (dims["Hw"] not in (shape.n_heads, shape.n_kv_heads) or not 1 <= dims["dr"] <= 4096):
         raise _bad("the router's shape does not match the model")
     start, end = store.get("sekv.span_start"), store.get("sekv.span_end")
     n = end - start
     if bool((n <= 0).any()) or bool((start[1:] < end[:-1]).any()) or dims["F"] + int(n.sum()) != N:
         raise _bad("the spans are empty, overlap, or do not cover the document with the full-resolution tokens")
     names = set(store.keys())
-    if ("sekv.router.sha256" in names) != ("sekv.router.ttau" in names):
+    if not factors_only and ("sekv.router.sha256" in names) != ("sekv.router.ttau" in names):
         raise _bad("the trained router's tensors 'sekv.router.sha256' and 'sekv.router.ttau' come only together")
     hkv, d, T_ = shape.n_kv_heads, shape.head_dim, int(n.sum())
-    if "sekv.zoom.idx" in names:  # the zoom tier (sekv/zoom_tier.py): every span token, in order, its rows per layer
+    if factors_only:  # the factor blocks' build reads no zoom tier
+        pass
+    elif "sekv.zoom.idx" in names:  # the zoom tier (sekv/zoom_tier.py): every span token, in order, its rows per layer
         if dims["P"] != T_ or not torch.equal(store.get("sekv.zoom.idx"), span_token_index(start, end)[0]):
             raise _bad("tensor 'sekv.zoom.idx' is not the spans' tokens")
         int8 = "sekv.zoom.ks.0" in names

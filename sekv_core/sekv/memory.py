@@ -57,6 +57,8 @@ class ZoomMemory(KVMemory):
         #: the batched step's blocks, built on a second thread from now on (sekv/gpu_step.py BlockBuild), or taken up
         #: from the build started for this pack before the model loaded (gpu_step.start_blocks; one device only)
         self._blocks, self._early = None, False
+        #: the blocks the build kept in device memory, moved to pinned host memory in pauses (sekv/blocks.py HostPinning)
+        self.pinning = None
         if self.batched and BACKGROUND_BLOCKS:
             self._blocks = take_blocks(store, res.device)
             self._early = self._blocks is not None
@@ -71,6 +73,7 @@ class ZoomMemory(KVMemory):
                 # an early build that failed is built again here from the opened pack (which meets a real error anew)
                 blocks = None if b is None else b.result_or_none() if self._early else b.result()
                 self._blocks, self._warming = None, b
+                self.pinning = b.pinning if blocks is not None else None
                 self.step = BatchedStep(self.res, self.ledger, self.ranking, blocks)
             else:
                 self.step = CpuStep(self.res, self.ledger, self.ranking)
@@ -144,7 +147,8 @@ class ZoomMemory(KVMemory):
         ranked = self.ranking is not None and self.ranking.kind == "scout" and self.ranking.ready and self.res.n_spans
         order = self.ranking.span_order(self.res.block_span, self.res.n_spans) if ranked else []
         resident = self.ledger.resident if self.ledger.steps else self.resident_bytes()
-        return StepStats(resident_bytes=int(resident), extra={**self.ledger.stats(), "span_order": order})
+        kept = self.pinning.device_bytes() if self.pinning is not None else 0  # factor blocks not moved to host memory yet
+        return StepStats(resident_bytes=int(resident), extra={**self.ledger.stats(), "span_order": order, "blocks_on_device_bytes": kept})
 
     def resident_now(self) -> int:
         return int(self.ledger.resident if self.ledger.steps else self.resident_bytes())  # as step_stats(), no stats
@@ -154,6 +158,8 @@ class ZoomMemory(KVMemory):
             self._new_ask()
         self.ledger.begin_forward(self.res.kv.len[-1] + n_new - self.res.n_base)
         self._step().begin_forward(n_new)
+        if self.pinning is not None:  # blocks pinned during a pause go in now, between forwards
+            self.pinning.settle()
 
     def _new_ask(self) -> None:
         self.ledger.reset()
@@ -184,6 +190,8 @@ class ZoomMemory(KVMemory):
             if self._scouted:  # the batched step scores every layer's blocks at once, after the forward
                 qs, exact, scaling = zip(*self._scouted)
                 self.ranking.add_masses(self.step.scout_masses(list(qs), list(exact), scaling[0]))
+                if self.pinning is not None:
+                    self.pinning.touch()
             self.ranking.finish_pass(self.res.scout_profile, self.params.profile_weight, lex, self.params.lexical_weight)
             prior.add_to(self.ranking.prio, self.prior, self.params.prior_weight)
         finally:
@@ -214,6 +222,8 @@ class ZoomMemory(KVMemory):
         if layer == 0 and not self.res.kv.static:  # static steps: static_begin() did it
             self._begin_forward(query.shape[-2])
         out = self.step.attend(layer, query, key, value, scaling)
+        if self.pinning is not None:  # in use: no page-locking starts now
+            self.pinning.touch()
         if self.ranking is not None and self.ranking.scouting:
             self._scout_layer(layer, query, scaling)
         return out
@@ -232,13 +242,17 @@ class ZoomMemory(KVMemory):
         if self.ledger.stale:
             self._new_ask()
         self.ledger.begin_forward(self.res.kv.len[-1] + 1 - self.res.n_base)
+        if self.pinning is not None:  # before a capture: no page-locking in flight beside it
+            self.pinning.settle()
         self.step.static_begin()
 
     def static_key(self):
-        return self.res.kv.static_key() + self.step.static_key()
+        return self.res.kv.static_key() + self.step.static_key() + (self.pinning.key() if self.pinning is not None else ())
 
     def static_end(self) -> None:
         self.res.kv.advance(1)
+        if self.pinning is not None:
+            self.pinning.touch()
 
     def static_mode(self):
         return self.res.kv.static_mode()
