@@ -296,11 +296,18 @@ def encode_factors(f: fz.Factors, span_len: torch.Tensor, d: int, *, group: int,
     cv, mv = encode(vt.index_select(0, rest_rows).flatten(), group, levels)
     out = dict(zip(code_names(levels), (cu, mu, cv, mv)))
     out.update({"vt.lead": vt.index_select(0, lead_rows).flatten(), "rank": f.rank})
-    for k in ("us_scale", "vt_scale"):
-        if scales == "log8":
-            out[f"{k}.l8"], out[f"{k}.l8p"] = encode_scales(getattr(f, k))
-        else:
-            out[k] = getattr(f, k)
+    out.update(code_scales({"us_scale": f.us_scale, "vt_scale": f.vt_scale}, scales))
+    return out
+
+
+def code_scales(t: dict[str, torch.Tensor], scales: str) -> dict[str, torch.Tensor]:
+    """The float16 row scales ``us_scale`` / ``vt_scale`` at rest: as they are (``fp16``), or ``log8``
+    (:func:`encode_scales`: ``us_scale.l8`` / ``us_scale.l8p`` ...)."""
+    if scales != "log8":
+        return dict(t)
+    out = {}
+    for k, s in t.items():
+        out[f"{k}.l8"], out[f"{k}.l8p"] = encode_scales(s)
     return out
 
 

@@ -126,6 +126,12 @@ def merge(pieces: list[Piece], moments: list[torch.Tensor], params: SekvParams, 
         out[f"sekv.router.w.{li}"] = wl.to(sdt)  # cast to the model's dtype at open
         out[f"sekv.router.norm.{li}"] = router.span_norms(wl, kbar.to(sdt))
         for kind, cfg in (("fk", kcfg), ("fv", vcfg)):
+            if f"{kind}.{li}.vt.lead" in t[0]:  # one window, the whole document: coded where it was compressed
+                names = codec.code_names(cfg["levels"]) + ("vt.lead", "rank")
+                coded = {n: t[0].pop(f"{kind}.{li}.{n}") for n in names}
+                coded.update(codec.code_scales({n: t[0].pop(f"{kind}.{li}.{n}") for n in ("us_scale", "vt_scale")}, cfg["scales"]))
+                out.update({f"sekv.{kind}.{li}.{n}": v for n, v in coded.items()})
+                continue
             parts = [({k: x.pop(f"{kind}.{li}.{k}") for k in _FACTOR_PARTS if f"{kind}.{li}.{k}" in x}, n) for x, n in zip(t, lens)]
             f = merge_factors(parts, d)
             if params.coded:  # at rest 4-bit (values: value_bits); decoded to int8 at open (layout.read_factors)
