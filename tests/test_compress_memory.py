@@ -233,3 +233,19 @@ def test_the_merge_codes_factors_on_cuda_as_on_the_cpu(setup):
             assert set(cpu) == set(gpu)
             for k in cpu:
                 assert gpu[k].device.type == "cpu" and torch.equal(cpu[k], gpu[k]), (kind, li, k)
+
+
+def test_a_whole_document_is_coded_in_compress_as_the_merge_codes_windows(setup):
+    """A one-window document's factors are coded where compress makes them (compress_window code=True); the
+    reference: the same window's uncoded factors merged and coded by the merge, as a windowed document's are."""
+    from sekv_core.sekv import merge
+
+    m, res, offloaded, p = setup
+    got = m.compress(res, p)
+    piece = C.compress_window(res, p, None)
+    assert "fk.0.us" in piece.tensors and "fk.0.us.q4" not in piece.tensors
+    moments = [piece.tensors.pop(f"moment.{li}") for li in range(res.shape.n_layers)]
+    ref = merge.merge([piece], moments, p, res.shape, res.n_tokens, None, None, torch.device("cpu"))
+    assert set(got) == set(ref) and any(k.endswith(".us.q4") for k in got) and any(k.endswith(".us_scale.l8") for k in got)
+    for k in ref:
+        assert got[k].dtype == ref[k].dtype and torch.equal(got[k], ref[k]), k
