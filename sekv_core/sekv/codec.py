@@ -261,11 +261,14 @@ def encode_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     log2 of the tensor's smallest / largest positive scale and step = (hi - lo) / 254, so every positive scale is
     within a relative 2^(step / 2) - 1 (+ float16 rounding) of its decoded value."""
     x = s.float()
+    if not x.numel():
+        return torch.zeros(0, dtype=torch.uint8, device=x.device), torch.zeros(2, dtype=torch.float32, device=x.device)
     pos = x > 0
-    if not bool(pos.any()):
-        return torch.zeros(x.numel(), dtype=torch.uint8, device=x.device), torch.zeros(2, dtype=torch.float32, device=x.device)
     lg = torch.log2(torch.where(pos, x, torch.ones_like(x)))
-    lo, hi = lg[pos].min(), lg[pos].max()
+    inf = torch.tensor(float("inf"), device=x.device)
+    lo, hi = torch.where(pos, lg, inf).min(), torch.where(pos, lg, -inf).max()  # over the positive ones: no selection
+    if not bool(torch.isfinite(lo)):  # none positive
+        return torch.zeros(x.numel(), dtype=torch.uint8, device=x.device), torch.zeros(2, dtype=torch.float32, device=x.device)
     step = torch.clamp((hi - lo) / 254, min=1e-6)
     c = torch.where(pos, torch.round((lg - lo) / step).clamp(0, 254) + 1, torch.zeros_like(x))
     return c.to(torch.uint8), torch.stack([lo, step]).float()

@@ -91,9 +91,9 @@ def merge(pieces: list[Piece], moments: list[torch.Tensor], params: SekvParams, 
         out["sekv.rope_inv_freq"] = inv
         out["sekv.rope_scaling"] = torch.tensor([shape.rope_attention_scaling], dtype=torch.float32)
     out["sekv.router.tau"] = torch.full((L, H), params.tau or router.TAU_DEFAULT, dtype=torch.float32)
-    out["sekv.scout.profile"] = torch.cat([p.tensors.pop("scout.profile") for p in pieces])
+    out["sekv.scout.profile"] = _cat([p.tensors.pop("scout.profile") for p in pieces])
     if all("prior.kvzip" in p.tensors for p in pieces):  # the scout's KVzip prior (4 bytes a token, sekv/prior.py)
-        out["sekv.prior.kvzip"] = torch.cat([p.tensors.pop("prior.kvzip") for p in pieces])
+        out["sekv.prior.kvzip"] = _cat([p.tensors.pop("prior.kvzip") for p in pieces])
     if lex_terms is not None:  # the scout's lexical evidence (4 bytes a token)
         out["sekv.lex.terms"] = lex_terms.to(torch.int32).cpu()
     unit = max(0, params.zoom_unit)
@@ -115,11 +115,11 @@ def merge(pieces: list[Piece], moments: list[torch.Tensor], params: SekvParams, 
     for li in range(L):
         t = [p.tensors for p in pieces]
         for kv in "kv":
-            out[f"sekv.full.{kv}.{li}"] = torch.cat([x.pop(f"full.{kv}.{li}") for x in t], 1)
-        kbar = torch.cat([x.pop(f"coarse.k.{li}") for x in t], 1)
+            out[f"sekv.full.{kv}.{li}"] = _cat([x.pop(f"full.{kv}.{li}") for x in t], 1)
+        kbar = _cat([x.pop(f"coarse.k.{li}") for x in t], 1)
         out[f"sekv.coarse.k.{li}"] = kbar.to(sdt)
-        out[f"sekv.coarse.v.{li}"] = torch.cat([x.pop(f"coarse.v.{li}") for x in t], 1)
-        ref = kbar if seg.n_spans else torch.cat([x.pop(f"keys.{li}") for x in t], 1)
+        out[f"sekv.coarse.v.{li}"] = _cat([x.pop(f"coarse.v.{li}") for x in t], 1)
+        ref = kbar if seg.n_spans else _cat([x.pop(f"keys.{li}") for x in t], 1)
         for x in t:
             x.pop(f"keys.{li}", None)
         wl = router.pca_scaled(dirs[li], ref.to(dev)).cpu()
@@ -154,6 +154,11 @@ def encode_factors(f: fz.Factors, span_len: torch.Tensor, d: int, cfg: dict, dev
     # the ranks stay on the host, where codec.encode_factors reads every size and index from them (no host sync)
     on = fz.Factors(f.us.to(device, non_blocking=True), f.vt.to(device, non_blocking=True), f.rank, f.us_scale, f.vt_scale)
     return {k: v.cpu() for k, v in codec.encode_factors(on, span_len, d, **cfg).items()}
+
+
+def _cat(ts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """torch.cat, without the copy of one window's tensor (a whole document's: its pieces are consumed)."""
+    return ts[0] if len(ts) == 1 else torch.cat(ts, dim)
 
 
 def _global_segmentation(pieces: list[Piece], n_tokens: int) -> Segmentation:
