@@ -3,7 +3,9 @@
 A random-weight Qwen2 with the KV shape asked for (default the 8B shape's: 8 KV heads of 128; a few layers, a small
 hidden and MLP and a 1,024-token vocabulary, so the prefill is quick) prefills --tokens random tokens; then, each
 timed on its own: ``compress`` (sekv/compress.py, with the merge and its factor codec apart), and the pack's write
-(pack.write_pack: its sha256s and the file, fsync included).  ``tensors_sha256`` is a digest of every pack tensor
+(pack.write_pack: its sha256s and the file, fsync included), and the bytes that would cross the bus on CUDA
+(``to_host_bytes``: compress's results to the host; ``merge_upload_bytes``: factors the merge takes back to the
+device for its codec).  ``tensors_sha256`` is a digest of every pack tensor
 (names, dtypes, shapes, bytes): two versions of the code that make the same pack print the same one.  ``--ops``
 also counts the torch calls of compress (benchmarks/compress_ops.py's counting: calls that are not views, calls that
 wait for the device on CUDA) and ``--cprofile N`` prints compress + write's N costliest functions (cumulative).
@@ -84,11 +86,27 @@ def main(argv: list[str] | None = None) -> int:
             merge_s[0] += time.perf_counter() - t0
 
     sm.merge = merge
+    # bytes that cross the bus on CUDA: compress's results to the host (a window's piece), and the factors the merge
+    # takes back to the device to code them (merge.encode_factors)
+    moved = {"to_host_bytes": 0, "merge_upload_bytes": 0}
+    real_window, real_encode = sc.compress_window, sm.encode_factors
+
+    def window(*args, **kw):
+        piece = real_window(*args, **kw)
+        moved["to_host_bytes"] += sum(t.numel() * t.element_size() for t in piece.tensors.values())
+        return piece
+
+    def encode(f, *args, **kw):
+        moved["merge_upload_bytes"] += f.us.numel() * f.us.element_size() + f.vt.numel() * f.vt.element_size()
+        return real_encode(f, *args, **kw)
+
+    sc.compress_window, sm.encode_factors = window, encode
     best: dict = {}
     prof = cProfile.Profile() if a.cprofile else None
     with tempfile.TemporaryDirectory() as td:
         for _ in range(max(1, a.repeat)):
             merge_s[0] = 0.0
+            moved.update(to_host_bytes=0, merge_upload_bytes=0)
             if prof:
                 prof.enable()
             t0 = time.perf_counter()
@@ -99,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             t2 = time.perf_counter()
             if prof:
                 prof.disable()
-            rec = {"compress_s": t1 - t0, "merge_s": merge_s[0], "write_s": t2 - t1, "pack_bytes": size}
+            rec = {"compress_s": t1 - t0, "merge_s": merge_s[0], "write_s": t2 - t1, "pack_bytes": size, **moved}
             if not best or rec["compress_s"] + rec["write_s"] < best["compress_s"] + best["write_s"]:
                 best = rec
     out = {"tokens": a.tokens, "layers": a.layers, "kv_heads": a.kv_heads, "head_dim": a.head_dim, "cuda_path": a.cuda_path,
