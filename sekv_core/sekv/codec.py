@@ -131,6 +131,13 @@ def _unpack_bits(codes: torch.Tensor, n: int, bits: int) -> torch.Tensor:
 #: elements encoded at a time, in groups of `group` (a multiple of 8, so every chunk's codes are whole bytes): the
 #: float / index temporaries stay ~20 bytes x this, not x the document's factor count
 _ENCODE_CHUNK = 1 << 20
+#: the same on a GPU, where each chunk is ~10-20 kernel launches: 4x fewer chunks (an 8B model's layer at 128K tokens
+#: codes ~33 M us elements), ~160 MB of temporaries (what compress's device bound leaves, sekv/compress.py MARGIN_BYTES)
+_ENCODE_CHUNK_CUDA = 1 << 22
+
+
+def _encode_chunk(t: torch.Tensor) -> int:
+    return _ENCODE_CHUNK_CUDA if t.is_cuda else _ENCODE_CHUNK
 
 
 def encode(q: torch.Tensor, group: int, levels: str = "nf4") -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,7 +145,7 @@ def encode(q: torch.Tensor, group: int, levels: str = "nf4") -> tuple[torch.Tens
     if q.dtype != torch.int8 or q.dim() != 1:
         raise ValueError("codec.encode takes a 1-D int8 tensor")
     check(group, levels)
-    step = max(1, _ENCODE_CHUNK // (8 * group)) * 8 * group  # groups and bytes never straddle two chunks
+    step = max(1, _encode_chunk(q) // (8 * group)) * 8 * group  # groups and bytes never straddle two chunks
     if q.numel() <= step:
         return _encode(q, group, levels)
     parts = [_encode(q[a : a + step], group, levels) for a in range(0, q.numel(), step)]
@@ -210,9 +217,9 @@ def _to_columns(us: torch.Tensor, rank: torch.Tensor, span_len: torch.Tensor) ->
     x = torch.empty_like(us)
     end = torch.cumsum(size, 0)
     dev = us.device
-    b0, o0 = 0, 0
+    b0, o0, chunk = 0, 0, _encode_chunk(us)
     while b0 < size.numel():
-        b1 = max(b0 + 1, int(torch.searchsorted(end, o0 + _ENCODE_CHUNK, right=True)))
+        b1 = max(b0 + 1, int(torch.searchsorted(end, o0 + chunk, right=True)))
         o1 = int(end[b1 - 1])
         order = column_order(rows[b0:b1].to(dev, non_blocking=True), cols[b0:b1].to(dev, non_blocking=True), o1 - o0)
         x[o0:o1][order] = us[o0:o1]
