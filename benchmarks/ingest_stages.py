@@ -12,6 +12,7 @@ wait for the device on CUDA) and ``--cprofile N`` prints compress + write's N co
 
     python -m benchmarks.ingest_stages --tokens 16384 --layers 4 --kv-heads 8 --head-dim 128
     python -m benchmarks.ingest_stages --tokens 16384 --layers 4 --cuda-path --ops   # the grouping CUDA takes
+    python -m benchmarks.ingest_stages --write-only 1000 --dir /var/tmp                # the pack write alone
 """
 
 from __future__ import annotations
@@ -38,6 +39,22 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def write_only(mib: int, where: str | None) -> int:
+    from sekv_core import pack
+
+    g = torch.Generator().manual_seed(0)
+    size = (mib << 20) // 640
+    tensors = {f"t.{i}": torch.randint(-128, 127, (size,), dtype=torch.int8, generator=g) for i in range(640)}
+    best = float("inf")
+    with tempfile.TemporaryDirectory(dir=where) as td:
+        for _ in range(3):
+            t = time.perf_counter()
+            pack.write_pack(Path(td) / "x.sekv", {"method": "x", "method_params": {}, "token_ids": [1]}, tensors)
+            best = min(best, time.perf_counter() - t)
+    print(json.dumps({"write_mib": mib, "write_s": best, "mb_per_s": size * 640 / best / 1e6}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.ingest_stages", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=16384)
@@ -48,8 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ops", action="store_true", help="count compress's torch calls (a second compress, under torch.profiler)")
     ap.add_argument("--cprofile", type=int, default=0, help="print the N costliest functions of compress + write")
     ap.add_argument("--repeat", type=int, default=1, help="compress + write this many times (the best is reported)")
+    ap.add_argument("--write-only", type=int, default=0, metavar="MIB",
+                    help="only pack.write_pack of MIB of random int8 tensors in 640 tensors (a pack's count), best of 3")
+    ap.add_argument("--dir", default=None, help="where --write-only writes (default: a temporary folder)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    if a.write_only:
+        return write_only(a.write_only, a.dir)
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from sekv_core import methods, pack, runtime
