@@ -194,7 +194,7 @@ def ingest(
         needs = cache_method.needs(params)
         text_scores = scores.text_scores(lm.tokenizer, text, ids, needs, system, offsets=offsets)
         on_gpu = placement.input_device(lm.model).type == "cuda"
-        if on_gpu and len(plan) == 1:  # host memory for compress's results, ready by the time it runs
+        if on_gpu:  # host memory for compress's results (every window's), ready by the time it runs
             cache_method.reserve_host(len(ids), shape, params)
         kw = dict(with_surprisal=cache_method.needs_surprisal, chunk=chunk, capture=scores.capture_kinds(needs),
                   obs_window=cache_method.obs_window(params), offload_kv=offload_kv)

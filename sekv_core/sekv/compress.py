@@ -218,7 +218,7 @@ def compress(prefill: PrefillResult, params: SekvParams, arena: torch.Tensor | N
 def compress_windows(windows, params: SekvParams, arena: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The pack's tensors of a document given as window prefills (at global positions, one at a time): each window
     compressed on its own (:func:`compress_window`), then merged (sekv/merge.py)."""
-    pieces, trained, lex, moments = [], None, None, []
+    pieces, trained, lex, moments, rest = [], None, None, [], arena
     for prefill in windows:
         if not pieces:
             trained = trained_router(prefill, params, prefill.shape)
@@ -227,7 +227,8 @@ def compress_windows(windows, params: SekvParams, arena: torch.Tensor | None = N
         # a window that is the whole document codes its factors where it makes them (merge passes them on)
         whole = not pieces and prefill.start == 0 and prefill.n_tokens == (prefill.doc_tokens or prefill.n_tokens)
         with fz.single_thread():  # many small tensor ops: intra-op threads cost more than they give (the prefill keeps them)
-            piece = compress_window(prefill, params, trained, arena if not pieces else None, code=whole)
+            piece = compress_window(prefill, params, trained, rest, code=whole)
+        rest = arena_after(rest, piece.arena_bytes)  # every window's results in the host arena, one after the other
         if params.prior == "kvzip":  # KVzip's reconstruction passes: model forwards, with the prefill's threads
             piece.tensors["prior.kvzip"] = prior.window_prior(prefill, params.layout_budget)
         m = [piece.tensors.pop(f"moment.{li}") for li in range(prefill.shape.n_layers)]  # summed as they come
@@ -239,6 +240,15 @@ def compress_windows(windows, params: SekvParams, arena: torch.Tensor | None = N
         out = merge.merge(pieces, moments, params, shape, n_doc, lex, trained, dev, on_layer=lambda li: _progress("merge", done=li + 1, of=shape.n_layers))
     _progress("merge_done")
     return out
+
+
+def arena_after(arena: torch.Tensor | None, used: int) -> torch.Tensor | None:
+    """What is left of a host arena (uint8) after ``used`` bytes, from a 64-byte boundary (its views hold any dtype);
+    None when nothing is."""
+    if arena is None:
+        return None
+    o = (used + 63) // 64 * 64
+    return arena[o:] if o < arena.numel() else None
 
 
 def compress_window(prefill: PrefillResult, params: SekvParams, trained=None, arena: torch.Tensor | None = None, code: bool = False) -> merge.Piece:
@@ -336,7 +346,7 @@ def _compress_window(prefill: PrefillResult, params: SekvParams, trained, arena:
     except BaseException:
         copies.wait(0)  # nothing still writing into the arena when the error propagates
         raise
-    piece = merge.Piece(prefill.start, prefill.n_tokens, seg, to_host(host, copies))
+    piece = merge.Piece(prefill.start, prefill.n_tokens, seg, to_host(host, copies), copies.off)
     _progress("window_done")
     return piece
 

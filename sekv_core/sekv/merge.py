@@ -33,6 +33,7 @@ class Piece:
     n: int
     seg: Segmentation
     tensors: dict[str, torch.Tensor]
+    arena_bytes: int = 0  # of the host arena it was given (sekv/host_copies.py), the bytes its tensors took
 
 
 def merge_factors(parts: list[tuple[dict[str, torch.Tensor], torch.Tensor]], d: int) -> fz.Factors:
