@@ -18,7 +18,7 @@ from .methods import scores
 from .methods.base import ModelShape, PrefillResult
 from .methods.params import Params
 from .pack import prepare_output, write_pack
-from .prefill import DEFAULT_CHUNK, prefill_window
+from .prefill import prefill_window
 from .windows import Window
 
 #: tokens kept free after the document for the question and the answer
@@ -159,7 +159,7 @@ def ingest(
     lm: models.LoadedModel,
     method: str = methods.DEFAULT_METHOD,
     params: dict[str, Any] | None = None,
-    chunk: int = DEFAULT_CHUNK,
+    chunk: int | None = None,
     force: bool = False,
     progress: Callable[[IngestProgress], None] | None = None,
     system: str | None = None,
@@ -169,7 +169,8 @@ def ingest(
     """Document (a loaded one, or a path) -> pack.  The output is checked and reserved before the prefill (see
     pack.prepare_output); each stage's unexpected failure is one error naming it (errors.stage), and nothing is
     left at the output path unless the whole pack was written.  A document longer than the model's window is
-    prefilled in windows for a method that takes them (plan_windows).  offload_kv: the prefill's KV in host memory,
+    prefilled in windows for a method that takes them (plan_windows).  chunk: the prefill's tokens a forward (None:
+    prefill.default_chunk, longer on a GPU).  offload_kv: the prefill's KV in host memory,
     chunk by chunk (sekv_core/kv_offload.py); None: when it would not fit the GPU."""
     t0 = time.perf_counter()
     if not isinstance(doc, Document):
@@ -193,7 +194,7 @@ def ingest(
         needs = cache_method.needs(params)
         text_scores = scores.text_scores(lm.tokenizer, text, ids, needs, system, offsets=offsets)
         on_gpu = placement.input_device(lm.model).type == "cuda"
-        if on_gpu and len(plan) == 1:  # host memory for compress's results, ready by the time it runs
+        if on_gpu:  # host memory for compress's results (every window's), ready by the time it runs
             cache_method.reserve_host(len(ids), shape, params)
         kw = dict(with_surprisal=cache_method.needs_surprisal, chunk=chunk, capture=scores.capture_kinds(needs),
                   obs_window=cache_method.obs_window(params), offload_kv=offload_kv)

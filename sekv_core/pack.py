@@ -96,16 +96,32 @@ def _raw_bytes(t: torch.Tensor):
     return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else memoryview(b"")
 
 
+def _chunks(buf) -> list:
+    mv = memoryview(buf).cast("B")
+    return [mv[i : i + _CHUNK] for i in range(0, len(mv), _CHUNK)] or [mv]
+
+
+def _chunk_sha(part) -> bytes:
+    return hashlib.sha256(part).digest()
+
+
 def tensor_digest(buf) -> str:
     """sha256 of the sha256s of the buffer's 16 MiB chunks (hashed on several threads: hashlib lets go of the GIL)."""
-    mv = memoryview(buf).cast("B")
-    n = len(mv)
-    parts = [mv[i : i + _CHUNK] for i in range(0, n, _CHUNK)] or [mv]
-    if len(parts) == 1:
-        digests = [hashlib.sha256(parts[0]).digest()]
-    else:
-        digests = list(_pool().map(lambda p: hashlib.sha256(p).digest(), parts))
+    parts = _chunks(buf)
+    digests = [_chunk_sha(parts[0])] if len(parts) == 1 else list(_pool().map(_chunk_sha, parts))
     return hashlib.sha256(b"".join(digests)).hexdigest()
+
+
+def _start_digests(bufs: dict[str, Any]) -> dict[str, list]:
+    """:func:`tensor_digest` of many buffers, started at once: every chunk of every buffer a job on the pool (most of
+    a pack's tensors are one chunk: hashed one after the other they were a single thread's work).  name -> the
+    futures of its chunks' sha256s (:func:`_finish_digest`)."""
+    pool = _pool()
+    return {k: [pool.submit(_chunk_sha, p) for p in _chunks(b)] for k, b in bufs.items()}
+
+
+def _finish_digest(futures: list) -> str:
+    return hashlib.sha256(b"".join(f.result() for f in futures)).hexdigest()
 
 
 # -- writing --------------------------------------------------------------------------------------------------
@@ -182,15 +198,56 @@ def prepare_output(path: str | Path, *, force: bool = False, inputs: Sequence[st
 
 
 def write_pack(path: Path, manifest: dict[str, Any], tensors: dict[str, torch.Tensor], slot: OutputSlot | None = None) -> int:
-    """Write atomically (into ``slot``'s temporary file when given); return the file size.  OSError -> SekvError."""
+    """Write atomically (into ``slot``'s temporary file when given); return the file size.  OSError -> SekvError.
+
+    The tensors' sha256s are computed on the pool while their bytes are written: the data region first (after a
+    header of the final length, written with placeholder digests of the same length), then the header with the
+    digests at offset 0, fsync, rename."""
     path = Path(path)
     tensors = {k: v.detach().contiguous().cpu() for k, v in sorted(tensors.items())}
     for k, v in tensors.items():
         if v.dtype not in _CODE:
             raise ValueError(f"pack tensor {k}: dtype {v.dtype} is not storable")
-    digests = {k: tensor_digest(_raw_bytes(v)) for k, v in tensors.items()}
+    bufs = {k: _raw_bytes(v) for k, v in tensors.items()}
+    pending = _start_digests(bufs)
     manifest = dict(manifest, magic=MAGIC, format_version=FORMAT_VERSION)
     manifest.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    head = _header(manifest, tensors, dict.fromkeys(tensors, _ZERO))  # its length: the digests' hex is 64 characters
+
+    if slot is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        slot = prepare_output(path, force=True)
+    tmp = slot.tmp
+    try:
+        with open(tmp, "wb") as f:
+            f.seek(len(head))
+            for b in bufs.values():
+                f.write(b)
+            digests = {k: _finish_digest(fs) for k, fs in pending.items()}
+            final = _header(manifest, tensors, digests)
+            if len(final) != len(head):  # cannot happen (fixed-length digests); a wrong header is never written
+                raise AssertionError("pack header length changed with its digests")
+            f.seek(0)
+            f.write(final)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise SekvError(f"{path}: cannot write the pack ({e.strerror or type(e).__name__}); nothing was written") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        for fs in pending.values():  # an error above: the jobs not started yet are dropped
+            for fu in fs:
+                fu.cancel()
+    return path.stat().st_size
+
+
+def _header(manifest: dict[str, Any], tensors: dict[str, torch.Tensor], digests: dict[str, str]) -> bytes:
+    """The pack's header (length prefix, JSON, padding) with these tensor digests, its own checksum filled in."""
+    manifest = dict(manifest)
     manifest["tensors"] = {k: {"dtype": dtype_name(v.dtype), "shape": list(v.shape), "sha256": digests[k]} for k, v in tensors.items()}
     header: dict[str, Any] = {"__metadata__": {_META_KEY: json.dumps(manifest, allow_nan=False), _HEADER_SUM_KEY: _ZERO}}
     off = 0
@@ -202,27 +259,7 @@ def write_pack(path: Path, manifest: dict[str, Any], tensors: dict[str, torch.Te
     body += b" " * (-(8 + len(body)) % 8)  # safetensors aligns the data region to 8 bytes
     head = struct.pack("<Q", len(body)) + body
     digest = hashlib.sha256(head).hexdigest()
-    head = head.replace(f'"{_HEADER_SUM_KEY}":"{_ZERO}"'.encode(), f'"{_HEADER_SUM_KEY}":"{digest}"'.encode(), 1)
-
-    if slot is None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        slot = prepare_output(path, force=True)
-    tmp = slot.tmp
-    try:
-        with open(tmp, "wb") as f:
-            f.write(head)
-            for v in tensors.values():
-                f.write(_raw_bytes(v))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise SekvError(f"{path}: cannot write the pack ({e.strerror or type(e).__name__}); nothing was written") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path.stat().st_size
+    return head.replace(f'"{_HEADER_SUM_KEY}":"{_ZERO}"'.encode(), f'"{_HEADER_SUM_KEY}":"{digest}"'.encode(), 1)
 
 
 # -- reading --------------------------------------------------------------------------------------------------

@@ -17,8 +17,18 @@ from .methods.base import GrowingKV, ModelShape, PrefillResult
 from .methods.full import FullMemory
 
 DEFAULT_CHUNK = 1024
+#: the chunk on a GPU: a small model's forward is bound by its kernel launches, not its arithmetic (qwen2.5-0.5b on
+#: the H200: ~35 ms per 1,024-token forward, docs/gpu.md), so fewer, longer chunks; its memory is a chunk's
+#: activations (an 8B model's MLP: ~0.4 GB at 4,096 tokens; attention is the fused kernels', no [q, T] scores and
+#: attn_mass is accumulated in blocks of its own) and not the LM head's logits (_HEAD_BLOCK_CUDA rows at a time)
+CUDA_CHUNK = 4096
 _HEAD_BLOCK = 256
 _HEAD_BLOCK_CUDA = 2048  # rows of float32 logits at once on a GPU (1 GB at a 128K vocabulary)
+
+
+def default_chunk(device: torch.device) -> int:
+    """The prefill's chunk (tokens a forward) on ``device`` when the caller gives none."""
+    return CUDA_CHUNK if device.type == "cuda" else DEFAULT_CHUNK
 
 
 def prefill(
@@ -26,17 +36,19 @@ def prefill(
     token_ids: torch.Tensor,
     *,
     with_surprisal: bool,
-    chunk: int = DEFAULT_CHUNK,
+    chunk: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     capture: Sequence[str] = (),
     obs_window: int = 64,
     offload_kv: bool | None = None,
 ) -> PrefillResult:
     """capture: prefill statistics to record into PrefillResult.scores (see sekv_core.methods.scores).  offload_kv:
-    keep the KV in host memory, chunk by chunk (sekv_core/kv_offload.py); None: when it would not fit the GPU."""
+    keep the KV in host memory, chunk by chunk (sekv_core/kv_offload.py); None: when it would not fit the GPU.
+    chunk: tokens a forward (None: :func:`default_chunk`); the outputs do not depend on it beyond rounding."""
     from . import kv_offload, placement
 
     device = placement.input_device(model)
+    chunk = chunk or default_chunk(device)
     devices = placement.layer_devices(model)  # each layer's KV where the layer computes
     ids = token_ids.to(device).view(1, -1)
     n = ids.shape[1]
@@ -93,7 +105,7 @@ def prefill_window(
     window,
     *,
     with_surprisal: bool,
-    chunk: int = DEFAULT_CHUNK,
+    chunk: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     capture: Sequence[str] = (),
     obs_window: int = 64,

@@ -233,3 +233,41 @@ def test_the_merge_codes_factors_on_cuda_as_on_the_cpu(setup):
             assert set(cpu) == set(gpu)
             for k in cpu:
                 assert gpu[k].device.type == "cpu" and torch.equal(cpu[k], gpu[k]), (kind, li, k)
+
+
+def test_a_whole_document_is_coded_in_compress_as_the_merge_codes_windows(setup):
+    """A one-window document's factors are coded where compress makes them (compress_window code=True); the
+    reference: the same window's uncoded factors merged and coded by the merge, as a windowed document's are."""
+    from sekv_core.sekv import merge
+
+    m, res, offloaded, p = setup
+    got = m.compress(res, p)
+    piece = C.compress_window(res, p, None)
+    assert "fk.0.us" in piece.tensors and "fk.0.us.q4" not in piece.tensors
+    moments = [piece.tensors.pop(f"moment.{li}") for li in range(res.shape.n_layers)]
+    ref = merge.merge([piece], moments, p, res.shape, res.n_tokens, None, None, torch.device("cpu"))
+    assert set(got) == set(ref) and any(k.endswith(".us.q4") for k in got) and any(k.endswith(".us_scale.l8") for k in got)
+    for k in ref:
+        assert got[k].dtype == ref[k].dtype and torch.equal(got[k], ref[k]), k
+
+
+def test_every_window_gets_the_rest_of_the_host_arena(setup, monkeypatch):
+    """A windowed document's results all go into the host arena ingest prepared (on a GPU: sekv/host_copies.py),
+    each window after the bytes the ones before it took, from a 64-byte boundary; a full arena: none."""
+    from sekv_core.sekv import merge
+
+    m, res, offloaded, p = setup
+    arena = torch.zeros(10_000, dtype=torch.uint8)
+    seen, used = [], iter([1000, 8970, 50])
+
+    def window(prefill, params, trained=None, arena=None, code=False):
+        seen.append(None if arena is None else (arena.data_ptr(), arena.numel()))
+        piece = merge.Piece(prefill.start, prefill.n_tokens, None, {f"moment.{li}": torch.zeros(1) for li in range(prefill.shape.n_layers)}, next(used))
+        return piece
+
+    monkeypatch.setattr(C, "compress_window", window)
+    monkeypatch.setattr(merge, "merge", lambda *a, **k: {})
+    C.compress_windows([res, res, res], p, arena)
+    base = arena.data_ptr()
+    assert seen == [(base, 10_000), (base + 1024, 10_000 - 1024), None]  # 1000 -> 1024; then 8970 -> 9024 of the 8976 left: none
+    assert C.arena_after(None, 5) is None and C.arena_after(arena, 0).data_ptr() == base

@@ -135,6 +135,45 @@ def test_interrupted_write_leaves_old_pack_and_no_temp(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["x.sekv"]
 
 
+def test_interrupted_while_the_tensors_are_written_leaves_nothing(tmp_path, monkeypatch):
+    """The data region is written before the header (which waits for the sha256s): an interrupt there leaves no
+    pack and no temporary file."""
+    path = tmp_path / "x.sekv"
+
+    def interrupt(futures):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(packmod, "_finish_digest", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        packmod.write_pack(path, _manifest(), _tensors())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_written_file_is_safetensors_with_chunked_sha256s(tmp_path):
+    """Checked by an independent reader (the safetensors library) and hashlib: the tensors' bytes where the header
+    says, each manifest sha256 the sha256 of its 16 MiB chunks' sha256s (a tensor of several chunks, one of none)."""
+    import hashlib
+
+    from safetensors import safe_open
+
+    g = torch.Generator().manual_seed(1)
+    t = dict(_tensors(), big=torch.randint(0, 255, (packmod._CHUNK * 2 + 12345,), generator=g, dtype=torch.uint8), empty=torch.zeros(0))
+    path = tmp_path / "x.sekv"
+    packmod.write_pack(path, _manifest(), t)
+    with safe_open(str(path), "pt") as f:
+        assert set(f.keys()) == set(t)
+        for k in t:
+            assert torch.equal(f.get_tensor(k), t[k]), k
+        listed = json.loads(f.metadata()["sekv"])["tensors"]
+    for k, v in t.items():
+        raw = v.reshape(-1).view(torch.uint8).numpy().tobytes()
+        chunks = [raw[i : i + packmod._CHUNK] for i in range(0, len(raw), packmod._CHUNK)] or [b""]
+        assert listed[k]["sha256"] == hashlib.sha256(b"".join(hashlib.sha256(c).digest() for c in chunks)).hexdigest(), k
+    p = packmod.read_pack(path)
+    assert torch.equal(p.get("big"), t["big"])
+    p.close()
+
+
 def test_output_checks(tmp_path):
     """-o never replaces what is not a pack (unless forced), nor the input; the directory must be writable."""
     doc = tmp_path / "v.txt"

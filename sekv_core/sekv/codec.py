@@ -131,6 +131,13 @@ def _unpack_bits(codes: torch.Tensor, n: int, bits: int) -> torch.Tensor:
 #: elements encoded at a time, in groups of `group` (a multiple of 8, so every chunk's codes are whole bytes): the
 #: float / index temporaries stay ~20 bytes x this, not x the document's factor count
 _ENCODE_CHUNK = 1 << 20
+#: the same on a GPU, where each chunk is ~10-20 kernel launches: 4x fewer chunks (an 8B model's layer at 128K tokens
+#: codes ~33 M us elements), ~160 MB of temporaries (what compress's device bound leaves, sekv/compress.py MARGIN_BYTES)
+_ENCODE_CHUNK_CUDA = 1 << 22
+
+
+def _encode_chunk(t: torch.Tensor) -> int:
+    return _ENCODE_CHUNK_CUDA if t.is_cuda else _ENCODE_CHUNK
 
 
 def encode(q: torch.Tensor, group: int, levels: str = "nf4") -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,7 +145,7 @@ def encode(q: torch.Tensor, group: int, levels: str = "nf4") -> tuple[torch.Tens
     if q.dtype != torch.int8 or q.dim() != 1:
         raise ValueError("codec.encode takes a 1-D int8 tensor")
     check(group, levels)
-    step = max(1, _ENCODE_CHUNK // (8 * group)) * 8 * group  # groups and bytes never straddle two chunks
+    step = max(1, _encode_chunk(q) // (8 * group)) * 8 * group  # groups and bytes never straddle two chunks
     if q.numel() <= step:
         return _encode(q, group, levels)
     parts = [_encode(q[a : a + step], group, levels) for a in range(0, q.numel(), step)]
@@ -210,9 +217,9 @@ def _to_columns(us: torch.Tensor, rank: torch.Tensor, span_len: torch.Tensor) ->
     x = torch.empty_like(us)
     end = torch.cumsum(size, 0)
     dev = us.device
-    b0, o0 = 0, 0
+    b0, o0, chunk = 0, 0, _encode_chunk(us)
     while b0 < size.numel():
-        b1 = max(b0 + 1, int(torch.searchsorted(end, o0 + _ENCODE_CHUNK, right=True)))
+        b1 = max(b0 + 1, int(torch.searchsorted(end, o0 + chunk, right=True)))
         o1 = int(end[b1 - 1])
         order = column_order(rows[b0:b1].to(dev, non_blocking=True), cols[b0:b1].to(dev, non_blocking=True), o1 - o0)
         x[o0:o1][order] = us[o0:o1]
@@ -261,11 +268,14 @@ def encode_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     log2 of the tensor's smallest / largest positive scale and step = (hi - lo) / 254, so every positive scale is
     within a relative 2^(step / 2) - 1 (+ float16 rounding) of its decoded value."""
     x = s.float()
+    if not x.numel():
+        return torch.zeros(0, dtype=torch.uint8, device=x.device), torch.zeros(2, dtype=torch.float32, device=x.device)
     pos = x > 0
-    if not bool(pos.any()):
-        return torch.zeros(x.numel(), dtype=torch.uint8, device=x.device), torch.zeros(2, dtype=torch.float32, device=x.device)
     lg = torch.log2(torch.where(pos, x, torch.ones_like(x)))
-    lo, hi = lg[pos].min(), lg[pos].max()
+    inf = torch.tensor(float("inf"), device=x.device)
+    lo, hi = torch.where(pos, lg, inf).min(), torch.where(pos, lg, -inf).max()  # over the positive ones: no selection
+    if not bool(torch.isfinite(lo)):  # none positive
+        return torch.zeros(x.numel(), dtype=torch.uint8, device=x.device), torch.zeros(2, dtype=torch.float32, device=x.device)
     step = torch.clamp((hi - lo) / 254, min=1e-6)
     c = torch.where(pos, torch.round((lg - lo) / step).clamp(0, 254) + 1, torch.zeros_like(x))
     return c.to(torch.uint8), torch.stack([lo, step]).float()
@@ -296,11 +306,18 @@ def encode_factors(f: fz.Factors, span_len: torch.Tensor, d: int, *, group: int,
     cv, mv = encode(vt.index_select(0, rest_rows).flatten(), group, levels)
     out = dict(zip(code_names(levels), (cu, mu, cv, mv)))
     out.update({"vt.lead": vt.index_select(0, lead_rows).flatten(), "rank": f.rank})
-    for k in ("us_scale", "vt_scale"):
-        if scales == "log8":
-            out[f"{k}.l8"], out[f"{k}.l8p"] = encode_scales(getattr(f, k))
-        else:
-            out[k] = getattr(f, k)
+    out.update(code_scales({"us_scale": f.us_scale, "vt_scale": f.vt_scale}, scales))
+    return out
+
+
+def code_scales(t: dict[str, torch.Tensor], scales: str) -> dict[str, torch.Tensor]:
+    """The float16 row scales ``us_scale`` / ``vt_scale`` at rest: as they are (``fp16``), or ``log8``
+    (:func:`encode_scales`: ``us_scale.l8`` / ``us_scale.l8p`` ...)."""
+    if scales != "log8":
+        return dict(t)
+    out = {}
+    for k, s in t.items():
+        out[f"{k}.l8"], out[f"{k}.l8p"] = encode_scales(s)
     return out
 
 

@@ -220,14 +220,17 @@ def compress(prefill: PrefillResult, params: SekvParams, arena: torch.Tensor | N
 def compress_windows(windows, params: SekvParams, arena: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The pack's tensors of a document given as window prefills (at global positions, one at a time): each window
     compressed on its own (:func:`compress_window`), then merged (sekv/merge.py)."""
-    pieces, trained, lex, moments = [], None, None, []
+    pieces, trained, lex, moments, rest = [], None, None, [], arena
     for prefill in windows:
         if not pieces:
             trained = trained_router(prefill, params, prefill.shape)
         if prefill.scores and prefill.scores.get("lex_terms") is not None:
             lex = prefill.scores["lex_terms"]
+        # a window that is the whole document codes its factors where it makes them (merge passes them on)
+        whole = not pieces and prefill.start == 0 and prefill.n_tokens == (prefill.doc_tokens or prefill.n_tokens)
         with fz.single_thread():  # many small tensor ops: intra-op threads cost more than they give (the prefill keeps them)
-            piece = compress_window(prefill, params, trained, arena if not pieces else None)
+            piece = compress_window(prefill, params, trained, rest, code=whole)
+        rest = arena_after(rest, piece.arena_bytes)  # every window's results in the host arena, one after the other
         if params.prior == "kvzip":  # KVzip's reconstruction passes: model forwards, with the prefill's threads
             piece.tensors["prior.kvzip"] = prior.window_prior(prefill, params.layout_budget)
         m = [piece.tensors.pop(f"moment.{li}") for li in range(prefill.shape.n_layers)]  # summed as they come
@@ -241,9 +244,21 @@ def compress_windows(windows, params: SekvParams, arena: torch.Tensor | None = N
     return out
 
 
-def compress_window(prefill: PrefillResult, params: SekvParams, trained=None, arena: torch.Tensor | None = None) -> merge.Piece:
-    """One window's spans, full-resolution tokens, coarse entries, factors (not yet coded) and key moments, on the
-    host; global positions from prefill.start.  Its working tensors on the device stay within :func:`free_bytes`
+def arena_after(arena: torch.Tensor | None, used: int) -> torch.Tensor | None:
+    """What is left of a host arena (uint8) after ``used`` bytes, from a 64-byte boundary (its views hold any dtype);
+    None when nothing is."""
+    if arena is None:
+        return None
+    o = (used + 63) // 64 * 64
+    return arena[o:] if o < arena.numel() else None
+
+
+def compress_window(prefill: PrefillResult, params: SekvParams, trained=None, arena: torch.Tensor | None = None, code: bool = False) -> merge.Piece:
+    """One window's spans, full-resolution tokens, coarse entries, factors and key moments, on the host; global
+    positions from prefill.start.  The factors are not yet coded (the merge codes the windows' together), unless
+    ``code`` (the window is the whole document) and the pack codes them (params.coded): then they are coded where
+    they are made, on the device, before they travel to the host (:func:`_code_factors`: half the bytes over the
+    bus, no second trip for the merge's codec), their row scales left in float16 for the merge's host-side code.  Its working tensors on the device stay within :func:`free_bytes`
     (:func:`plan`): layers batched while they fit, a layer's spans in chunks when one does not.  Should the device
     run out of memory all the same (the plan's counts are estimates), the step that failed (the scout profiles, or
     one layer group) runs again under half the bound, up to OOM_RETRIES times a window: the same tensors, smaller
@@ -251,7 +266,7 @@ def compress_window(prefill: PrefillResult, params: SekvParams, trained=None, ar
     dev = _device_of(prefill)
     if dev.type == "cuda":  # the prefill's cached blocks back to the driver: compress's own sizes, less fragmentation
         torch.cuda.empty_cache()
-    return _compress_window(prefill, params, trained, arena, dev, free_bytes(dev))
+    return _compress_window(prefill, params, trained, arena, dev, free_bytes(dev), code and params.coded)
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -260,7 +275,7 @@ def _out_of_memory(e: BaseException) -> bool:
 
 
 def _compress_window(prefill: PrefillResult, params: SekvParams, trained, arena: torch.Tensor | None, dev: torch.device,
-                     bound: int | None) -> merge.Piece:
+                     bound: int | None, code: bool = False) -> merge.Piece:
     shape = prefill.shape
     seg = segmentation(prefill, params)
     pos, sid = seg.span_tokens()
@@ -318,6 +333,8 @@ def _compress_window(prefill: PrefillResult, params: SekvParams, trained, arena:
             out = None
             try:
                 out = _group_tensors(prefill, params, range(l0, l1), todo.chunks, seg.span_len, ctx)
+                if code:
+                    _code_factors(out, range(l0, l1), seg.span_len, shape.head_dim, params)
             except Exception as e:  # noqa: BLE001 - only running out of memory is retried
                 if not smaller(e):
                     raise
@@ -333,7 +350,7 @@ def _compress_window(prefill: PrefillResult, params: SekvParams, trained, arena:
     except BaseException:
         copies.wait(0)  # nothing still writing into the arena when the error propagates
         raise
-    piece = merge.Piece(prefill.start, prefill.n_tokens, seg, to_host(host, copies))
+    piece = merge.Piece(prefill.start, prefill.n_tokens, seg, to_host(host, copies), copies.off)
     _progress("window_done")
     return piece
 
@@ -442,6 +459,18 @@ def _factors(todo, chunks, span_len: torch.Tensor, params: SekvParams) -> dict[s
     for (li, kind), p in parts.items():
         out.update(merge.merge_factors(p, d).tensors(f"{kind}.{li}"))
     return out
+
+
+def _code_factors(out: dict[str, torch.Tensor], layers: range, span_len: torch.Tensor, d: int, params: SekvParams) -> None:
+    """A whole document's factors of ``layers`` in ``out`` (``fk.l.us`` ...) replaced by their codes
+    (codec.encode_factors, where they are: ``fk.l.us.q4`` ..., ``fk.l.vt.lead``, ``fk.l.rank``), the float16 row
+    scales kept (``fk.l.us_scale``, ``fk.l.vt_scale``; merge codes them on the host: codec.code_scales).  The codes
+    of merging this one window's factors and coding them there (sekv/merge.py)."""
+    for li in layers:
+        for kind, cfg in zip(("fk", "fv"), codec_configs(params)):
+            f = fz.Factors(*(out.pop(f"{kind}.{li}.{k}", None) for k in merge._FACTOR_PARTS))
+            coded = codec.encode_factors(f, span_len, d, **dict(cfg, scales="fp16"))
+            out.update({f"{kind}.{li}.{k}": v for k, v in coded.items()})
 
 
 def _parts_of(f: fz.Factors) -> dict[str, torch.Tensor]:

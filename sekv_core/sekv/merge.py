@@ -33,6 +33,7 @@ class Piece:
     n: int
     seg: Segmentation
     tensors: dict[str, torch.Tensor]
+    arena_bytes: int = 0  # of the host arena it was given (sekv/host_copies.py), the bytes its tensors took
 
 
 def merge_factors(parts: list[tuple[dict[str, torch.Tensor], torch.Tensor]], d: int) -> fz.Factors:
@@ -91,11 +92,11 @@ def merge(pieces: list[Piece], moments: list[torch.Tensor], params: SekvParams, 
         out["sekv.rope_inv_freq"] = inv
         out["sekv.rope_scaling"] = torch.tensor([shape.rope_attention_scaling], dtype=torch.float32)
     out["sekv.router.tau"] = torch.full((L, H), params.tau or router.TAU_DEFAULT, dtype=torch.float32)
-    out["sekv.scout.profile"] = torch.cat([p.tensors.pop("scout.profile") for p in pieces])
+    out["sekv.scout.profile"] = _cat([p.tensors.pop("scout.profile") for p in pieces])
     if all("prior.kvzip" in p.tensors for p in pieces):  # the scout's KVzip prior (4 bytes a token, sekv/prior.py)
-        out["sekv.prior.kvzip"] = torch.cat([p.tensors.pop("prior.kvzip") for p in pieces])
+        out["sekv.prior.kvzip"] = _cat([p.tensors.pop("prior.kvzip") for p in pieces])
     if all("zoom.idx" in p.tensors for p in pieces):  # the zoom tier's tokens (sekv/zoom_tier.py)
-        out["sekv.zoom.idx"] = torch.cat([p.tensors.pop("zoom.idx") + p.start for p in pieces])
+        out["sekv.zoom.idx"] = _cat([p.tensors.pop("zoom.idx") + p.start for p in pieces])
     if lex_terms is not None:  # the scout's lexical evidence (4 bytes a token)
         out["sekv.lex.terms"] = lex_terms.to(torch.int32).cpu()
     unit = max(0, params.zoom_unit)
@@ -117,20 +118,26 @@ def merge(pieces: list[Piece], moments: list[torch.Tensor], params: SekvParams, 
     for li in range(L):
         t = [p.tensors for p in pieces]
         for kv in "kv":
-            out[f"sekv.full.{kv}.{li}"] = torch.cat([x.pop(f"full.{kv}.{li}") for x in t], 1)
+            out[f"sekv.full.{kv}.{li}"] = _cat([x.pop(f"full.{kv}.{li}") for x in t], 1)
         for part in zoom_tier.LAYER_PARTS:
             if f"zoom.{part}.{li}" in t[0]:
-                out[f"sekv.zoom.{part}.{li}"] = torch.cat([x.pop(f"zoom.{part}.{li}") for x in t], 1)
-        kbar = torch.cat([x.pop(f"coarse.k.{li}") for x in t], 1)
+                out[f"sekv.zoom.{part}.{li}"] = _cat([x.pop(f"zoom.{part}.{li}") for x in t], 1)
+        kbar = _cat([x.pop(f"coarse.k.{li}") for x in t], 1)
         out[f"sekv.coarse.k.{li}"] = kbar.to(sdt)
-        out[f"sekv.coarse.v.{li}"] = torch.cat([x.pop(f"coarse.v.{li}") for x in t], 1)
-        ref = kbar if seg.n_spans else torch.cat([x.pop(f"keys.{li}") for x in t], 1)
+        out[f"sekv.coarse.v.{li}"] = _cat([x.pop(f"coarse.v.{li}") for x in t], 1)
+        ref = kbar if seg.n_spans else _cat([x.pop(f"keys.{li}") for x in t], 1)
         for x in t:
             x.pop(f"keys.{li}", None)
         wl = router.pca_scaled(dirs[li], ref.to(dev)).cpu()
         out[f"sekv.router.w.{li}"] = wl.to(sdt)  # cast to the model's dtype at open
         out[f"sekv.router.norm.{li}"] = router.span_norms(wl, kbar.to(sdt))
         for kind, cfg in (("fk", kcfg), ("fv", vcfg)):
+            if f"{kind}.{li}.vt.lead" in t[0]:  # one window, the whole document: coded where it was compressed
+                names = codec.code_names(cfg["levels"]) + ("vt.lead", "rank")
+                coded = {n: t[0].pop(f"{kind}.{li}.{n}") for n in names}
+                coded.update(codec.code_scales({n: t[0].pop(f"{kind}.{li}.{n}") for n in ("us_scale", "vt_scale")}, cfg["scales"]))
+                out.update({f"sekv.{kind}.{li}.{n}": v for n, v in coded.items()})
+                continue
             parts = [({k: x.pop(f"{kind}.{li}.{k}") for k in _FACTOR_PARTS if f"{kind}.{li}.{k}" in x}, n) for x, n in zip(t, lens)]
             f = merge_factors(parts, d)
             if params.coded:  # at rest 4-bit (values: value_bits); decoded to int8 at open (layout.read_factors)
@@ -153,6 +160,11 @@ def encode_factors(f: fz.Factors, span_len: torch.Tensor, d: int, cfg: dict, dev
     # the ranks stay on the host, where codec.encode_factors reads every size and index from them (no host sync)
     on = fz.Factors(f.us.to(device, non_blocking=True), f.vt.to(device, non_blocking=True), f.rank, f.us_scale, f.vt_scale)
     return {k: v.cpu() for k, v in codec.encode_factors(on, span_len, d, **cfg).items()}
+
+
+def _cat(ts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """torch.cat, without the copy of one window's tensor (a whole document's: its pieces are consumed)."""
+    return ts[0] if len(ts) == 1 else torch.cat(ts, dim)
 
 
 def _global_segmentation(pieces: list[Piece], n_tokens: int) -> Segmentation:
