@@ -118,6 +118,8 @@ def test_cuda_scout_and_first_forward_read_nothing_back(routing):
     want = _scout_and_first_logits(model, mem, torch.tensor([QUESTION]))
     m = methods.get("sekv").open(store, p, res.shape, "cuda")
     m._step()  # joins the factor blocks' build (its own syncs are counted in tests/test_sekv_decode.py)
+    if getattr(m, "_warming", None) is not None:  # the kernels' warm-up after the build, on its thread: not the question's
+        m._warming.join()
     q = torch.tensor([QUESTION], device="cuda")
     got = {}
     for ask in ("first", "second"):

@@ -49,7 +49,7 @@ def swapped(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.T
     h = sin.shape[-1] // 2
     sign = torch.ones(sin.shape[-1], device=sin.device)
     sign[:h] = -1.0
-    perm = torch.cat([torch.arange(h, 2 * h), torch.arange(h)]).to(sin.device)
+    perm = torch.cat([torch.arange(h, 2 * h, device=sin.device), torch.arange(h, device=sin.device)])  # made there: no copy, no sync
     return cos, sin * sign, perm
 
 
