@@ -32,6 +32,30 @@ from benchmarks.ttft_ops import VIEWS, _caller
 SYNCS = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::unique", "aten::_unique2", "aten::masked_select", "aten::repeat_interleave"}
 
 
+def random_prefill(tokens: int, layers: int, kv_heads: int, head_dim: int, hidden: int | None = None):
+    """sekv's prefill of `tokens` random tokens by a random-weight Qwen2 of that KV geometry (float32, a 1,024-token
+    vocabulary; hidden kv_heads x head_dim unless given), installed: (method, its default params, the token ids, the prefill, seconds)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from sekv_core import methods, runtime
+    from sekv_core.methods import scores
+    from sekv_core.prefill import prefill
+
+    torch.manual_seed(0)
+    hid = hidden or kv_heads * head_dim
+    cfg = Qwen2Config(hidden_size=hid, num_hidden_layers=layers, num_attention_heads=kv_heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      intermediate_size=2 * hid, vocab_size=1024, max_position_embeddings=max(32768, tokens + 64))
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    runtime.install(model)
+    m = methods.get("sekv")
+    p = m.resolve_params({})
+    ids = torch.randint(0, 1024, (tokens,), generator=torch.Generator().manual_seed(0))
+    t = time.perf_counter()
+    with torch.inference_mode():
+        res = prefill(model, ids, with_surprisal=True, capture=scores.capture_kinds(m.needs(p)), obs_window=m.obs_window(p))
+    return m, p, ids, res, time.perf_counter() - t
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.compress_ops", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192)
@@ -43,23 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--by-function", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from sekv_core import methods, runtime
-    from sekv_core.methods import scores
-    from sekv_core.prefill import prefill
-
-    torch.manual_seed(0)
-    h = a.kv_heads * a.head_dim
-    cfg = Qwen2Config(hidden_size=h, num_hidden_layers=a.layers, num_attention_heads=a.kv_heads, num_key_value_heads=a.kv_heads, intermediate_size=2 * h,
-                      vocab_size=1024, max_position_embeddings=max(32768, a.tokens + 64))
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    runtime.install(model)
-    m = methods.get("sekv")
-    p = m.resolve_params({})
-    ids = torch.randint(0, 1024, (a.tokens,), generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode():
-        res = prefill(model, ids, with_surprisal=True, capture=scores.capture_kinds(m.needs_scores), obs_window=m.obs_window(p))
+    m, p, _, res, _ = random_prefill(a.tokens, a.layers, a.kv_heads, a.head_dim)
     torch.set_num_threads(1)
     if a.cuda_path:
         from sekv_core.sekv import compress as sc

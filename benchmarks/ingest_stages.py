@@ -72,28 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.write_only:
         return write_only(a.write_only, a.dir)
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from sekv_core import methods, pack, runtime
-    from sekv_core.methods import scores
-    from sekv_core.prefill import prefill
+    from benchmarks.compress_ops import random_prefill
+    from sekv_core import pack
     from sekv_core.sekv import compress as sc
     from sekv_core.sekv import linalg as la
     from sekv_core.sekv import merge as sm
 
-    torch.manual_seed(0)
-    hid = 256
-    cfg = Qwen2Config(hidden_size=hid, num_hidden_layers=a.layers, num_attention_heads=a.kv_heads, num_key_value_heads=a.kv_heads, head_dim=a.head_dim,
-                      intermediate_size=2 * hid, vocab_size=1024, max_position_embeddings=max(32768, a.tokens + 64))
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    runtime.install(model)
-    m = methods.get("sekv")
-    p = m.resolve_params({})
-    ids = torch.randint(0, 1024, (a.tokens,), generator=torch.Generator().manual_seed(0))
-    t = time.perf_counter()
-    with torch.inference_mode():
-        res = prefill(model, ids, with_surprisal=True, capture=scores.capture_kinds(m.needs(p)), obs_window=m.obs_window(p))
-    prefill_s = time.perf_counter() - t
+    m, p, ids, res, prefill_s = random_prefill(a.tokens, a.layers, a.kv_heads, a.head_dim, hidden=256)
     if a.cuda_path:
         sc.GROUP_ON_CPU = True
         la.SUBSPACE_ON_CPU = True

@@ -13,16 +13,10 @@ import pytest
 import torch
 
 from sekv_core import runtime
-from sekv_core.methods.full import FullMemory
-from sekv_core.methods.base import GrowingKV
 from sekv_core.sekv import rope
 from sekv_core.sekv.positions import Layout
 
-from test_sekv_method import EXACT, _setup
-
-
-def _logits(model, mem, q):
-    return runtime.forward_logits(model, q, mem.n_tokens(), mem, last_only=False)
+from test_sekv_method import EXACT, _logits, _setup, assert_full_kv
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
@@ -36,16 +30,7 @@ def test_every_block_zoomed_at_shifted_positions_equals_full_kv(kind, batched):
     mem.batched = batched
     mem.question_at(n + s + 7)  # the room (p0 - full tokens - coarse entries) holds every span token
     assert mem.res.layout is not None and mem.n_tokens() == n + s + 7
-    q = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(2))
-    a, b = _logits(model, mem, q), _logits(model, full, q)
-    with torch.inference_mode():
-        c = ref(torch.cat([ids.view(1, -1), q], 1)).logits[:, -q.shape[1]:].float()
-    assert torch.allclose(a, b, atol=2e-4, rtol=1e-4), (a - b).abs().max()
-    assert torch.allclose(a, c, atol=2e-4, rtol=1e-4), (a - c).abs().max()
-    for _ in range(3):  # decode steps
-        nxt = b[:, -1:].argmax(-1)
-        a, b = runtime.forward_logits(model, nxt, mem.n_tokens(), mem), runtime.forward_logits(model, nxt, full.n_tokens(), full)
-        assert torch.allclose(a, b, atol=2e-4, rtol=1e-4), (a - b).abs().max()
+    assert_full_kv(model, ref, ids, mem, full)
 
 
 def test_identity_positions_equal_full_kv():

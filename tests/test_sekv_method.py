@@ -65,23 +65,32 @@ def _setup(kind: str, n: int = 400, **params):
     return model, ref, ids, res, store, p, mem, full
 
 
+def _logits(model, mem, q):
+    return runtime.forward_logits(model, q, mem.n_tokens(), mem, last_only=False)
+
+
+def assert_full_kv(model, ref, ids, mem, full, steps: int = 3) -> torch.Tensor:
+    """mem's logits for a 9-token question equal full KV's and plain transformers SDPA's over the document, and so
+    do `steps` greedy decode steps after it (against full KV).  Returns the question."""
+    q = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(2))
+    a, b = _logits(model, mem, q), _logits(model, full, q)
+    with torch.inference_mode():
+        c = ref(torch.cat([ids.view(1, -1), q], 1)).logits[:, -q.shape[1] :].float()
+    assert torch.allclose(a, b, atol=2e-4, rtol=1e-4), (a - b).abs().max()
+    assert torch.allclose(a, c, atol=2e-4, rtol=1e-4), (a - c).abs().max()
+    for _ in range(steps):
+        nxt = b[:, -1:].argmax(-1)
+        a, b = runtime.forward_logits(model, nxt, mem.n_tokens(), mem), runtime.forward_logits(model, nxt, full.n_tokens(), full)
+        assert torch.allclose(a, b, atol=2e-4, rtol=1e-4), (a - b).abs().max()
+    return q
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 @pytest.mark.parametrize("key_space", ["pre_rope", "post_rope"])
 def test_full_expansion_equals_full_kv(kind, key_space):
     model, ref, ids, res, store, p, mem, full = _setup(kind, key_space=key_space, **EXACT)
     assert mem.res.n_spans > 5 and mem.res.pre_rope == (key_space == "pre_rope")
-    q = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(2))
-    a = runtime.forward_logits(model, q, mem.n_tokens(), mem, last_only=False)
-    b = runtime.forward_logits(model, q, full.n_tokens(), full, last_only=False)
-    with torch.inference_mode():
-        c = ref(torch.cat([ids.view(1, -1), q], 1)).logits[:, -q.shape[1] :].float()
-    assert torch.allclose(a, b, atol=2e-4, rtol=1e-4), (a - b).abs().max()
-    assert torch.allclose(a, c, atol=2e-4, rtol=1e-4), (a - c).abs().max()
-    for _ in range(3):  # decode steps
-        nxt = b[:, -1:].argmax(-1)
-        a = runtime.forward_logits(model, nxt, mem.n_tokens(), mem)
-        b = runtime.forward_logits(model, nxt, full.n_tokens(), full)
-        assert torch.allclose(a, b, atol=2e-4, rtol=1e-4)
+    assert_full_kv(model, ref, ids, mem, full)
     st = mem.step_stats()
     assert st.extra["zoom_spans_step"] == mem.res.n_spans
     assert st.extra["zoom_rate_per_layer"] == [1.0, 1.0]

@@ -9,59 +9,29 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sekv_core import methods, runtime
+from sekv_core import methods
 from sekv_core.ingest import ingest
 from sekv_core.errors import PackError
-from sekv_core.methods.base import GrowingKV
-from sekv_core.methods.full import FullMemory
 from sekv_core.pack import read_pack
-from sekv_core.prefill import prefill
 from sekv_core.sekv import layout, rope
 from sekv_core.sekv.segment import span_token_index
 
-from test_sekv_method import Store, tiny
+from test_sekv_method import Store, _logits, _setup, assert_full_kv
 
 # the default (lossy: rank <= 32, 4-bit) factors; only the tier is exact
+SEKV = methods.get("sekv")
 TIER = {"zoom": "all", "budget": 1.0, "store_dtype": "model", "min_span": 8, "window": 16, "router": "untrained", "zoom_tier": "exact"}
-
-
-def _setup(kind: str, n: int = 400, **params):
-    model = tiny(kind)
-    ref = tiny(kind)
-    ref.load_state_dict(model.state_dict())
-    runtime.install(model)
-    ids = torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(1))
-    res = prefill(model, ids, with_surprisal=True, chunk=128)
-    m = methods.get("sekv")
-    p = m.resolve_params(params)
-    store = Store(m.compress(res, p))
-    full = FullMemory(GrowingKV.from_tensors(res.keys, res.values, "cpu"), res.shape)
-    return model, ref, ids, res, store, p, m, full
-
-
-def _logits(model, mem, q):
-    return runtime.forward_logits(model, q, mem.n_tokens(), mem, last_only=False)
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 @pytest.mark.parametrize("batched", [False, True])
 def test_every_block_zoomed_from_the_exact_tier_equals_full_kv(kind, batched):
-    model, ref, ids, res, store, p, m, full = _setup(kind, **TIER)
-    mem = m.open(store, p, res.shape, "cpu")
+    model, ref, ids, res, store, p, mem, full = _setup(kind, **TIER)
     assert mem.res.zoom_tier is not None and mem.res.n_spans > 5
     mem.batched = batched
-    q = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(2))
-    a, b = _logits(model, mem, q), _logits(model, full, q)
-    with torch.inference_mode():
-        c = ref(torch.cat([ids.view(1, -1), q], 1)).logits[:, -q.shape[1]:].float()
-    assert torch.allclose(a, b, atol=2e-4, rtol=1e-4), (a - b).abs().max()
-    assert torch.allclose(a, c, atol=2e-4, rtol=1e-4), (a - c).abs().max()
-    for _ in range(3):  # decode steps
-        nxt = b[:, -1:].argmax(-1)
-        a, b = runtime.forward_logits(model, nxt, mem.n_tokens(), mem), runtime.forward_logits(model, nxt, full.n_tokens(), full)
-        assert torch.allclose(a, b, atol=2e-4, rtol=1e-4), (a - b).abs().max()
+    q = assert_full_kv(model, ref, ids, mem, full)
     # the same pack read from its factors (rank <= 32, 4-bit) is not full KV: the tier is what made it exact
-    lossy = m.open(store, p.replace(read_zoom_tier=False), res.shape, "cpu")
+    lossy = SEKV.open(store, p.replace(read_zoom_tier=False), res.shape, "cpu")
     lossy.batched = batched
     assert lossy.res.zoom_tier is None
     d = (_logits(model, lossy, q) - _logits(model, full, q)).abs().max()
@@ -70,8 +40,7 @@ def test_every_block_zoomed_from_the_exact_tier_equals_full_kv(kind, batched):
 
 def test_every_block_zoomed_from_the_exact_tier_re_positioned_equals_full_kv():
     """Past the window the tier's pre-RoPE keys are rotated to their slots like the factors' rows."""
-    model, ref, ids, res, store, p, m, full = _setup("qwen2", **TIER)
-    mem = m.open(store, p, res.shape, "cpu")
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", **TIER)
     n, s = mem.res.n_doc, mem.res.n_spans
     mem.question_at(n + s + 7)  # every key keeps its distance to every query (tests/test_reposition.py)
     q = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(2))
@@ -81,7 +50,7 @@ def test_every_block_zoomed_from_the_exact_tier_re_positioned_equals_full_kv():
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 def test_the_exact_tier_holds_the_prefills_k_and_v_of_every_span_token(kind):
-    model, ref, ids, res, store, p, m, full = _setup(kind, **TIER)
+    model, ref, ids, res, store, p, mem, full = _setup(kind, **TIER)
     pos = store["sekv.zoom.idx"]
     assert torch.equal(pos, span_token_index(store["sekv.span_start"], store["sekv.span_end"])[0])
     assert pos.numel() + store["sekv.full_idx"].numel() == ids.numel()
@@ -94,7 +63,7 @@ def test_the_exact_tier_holds_the_prefills_k_and_v_of_every_span_token(kind):
 
 
 def test_the_int8_tier_is_within_half_a_step_of_every_row():
-    model, ref, ids, res, store, p, m, full = _setup("qwen2", **(TIER | {"zoom_tier": "int8"}))
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", **(TIER | {"zoom_tier": "int8"}))
     pos = store["sekv.zoom.idx"]
     for li in range(res.shape.n_layers):
         v = res.values[li][:, pos].float()
@@ -105,7 +74,6 @@ def test_the_int8_tier_is_within_half_a_step_of_every_row():
         err = (q.float() * s.unsqueeze(-1) - v).abs()
         assert bool((err <= 0.5 * step.unsqueeze(-1) * (1 + 2**-9) + 127 * step.unsqueeze(-1) * 2**-10).all())
     # read through the memory: the rows it rebuilds for zoomed blocks are those values (every block zoomed)
-    mem = m.open(store, p, res.shape, "cpu")
     tier = mem.res.zoom_tier
     g = torch.zeros(pos.numel(), dtype=torch.long)
     hit, k, v = tier.lookup(0, g, pos, torch.ones_like(pos, dtype=torch.bool))
@@ -127,7 +95,6 @@ def test_pack_round_trip_and_damaged_tier(lm, tmp_path, kind):
     t = {k: rp.get(k) for k in rp.keys()}
     assert rp.manifest["method_params"]["zoom_tier"] == kind
     rp.close()
-    m = methods.get("sekv")
     shape = methods.base.ModelShape.of(lm.config, torch.float32)
     layout.validate(Store(t), shape, int(t["sekv.config"][0]))
     assert ("sekv.zoom.ks.0" in t) == (kind == "int8")
@@ -145,9 +112,9 @@ def test_pack_round_trip_and_damaged_tier(lm, tmp_path, kind):
     # a pack without a tier (made before it existed, or with zoom_tier factors) opens and reads its factors
     old = {k: v for k, v in t.items() if not k.startswith("sekv.zoom.")}
     layout.validate(Store(old), shape, int(t["sekv.config"][0]))
-    mem = m.open(Store(old), m.resolve_params({}), shape, "cpu")
+    mem = SEKV.open(Store(old), SEKV.resolve_params({}), shape, "cpu")
     assert mem.res.zoom_tier is None
-    assert m.resolve_params({}).zoom_tier in ("factors", "int8", "exact")
+    assert SEKV.resolve_params({}).zoom_tier in ("factors", "int8", "exact")
 
 
 def test_windowed_ingest_and_add_keep_the_tier_whole(lm, tmp_path, monkeypatch):
@@ -193,7 +160,7 @@ def test_a_pack_made_before_the_zoom_tier_reads_as_factors(tmp_path):
     from sekv_core.session import pack_params, stored_params
 
     assert SekvParams.absent_in_pack["zoom_tier"] == "factors"
-    model, ref, ids, res, store, p, m, full = _setup("qwen2", **(TIER | {"zoom_tier": "factors"}))
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", **(TIER | {"zoom_tier": "factors"}))
     assert not any(k.startswith("sekv.zoom.") for k in store)
     before = {k: v for k, v in p.to_dict().items() if k not in ("zoom_tier", "read_zoom_tier")}
     write_pack(tmp_path / "old.sekv", {"method": "sekv", "method_params": before}, dict(store))

@@ -205,7 +205,7 @@ class FixedSets:
         plan["src_pair"] = torch.where(ok_t, grp * pg + first.gather(1, p_of), torch.zeros_like(t)).flatten()
         plan["src_row"] = torch.where(ok_t, r.block_off_dev[blk] + j_of, torch.zeros_like(t)).flatten()
         if r.zoom_tier is not None:  # each row's (group, document token): the pack's zoom tier replaces covered rows
-            plan["tier_rows"] = (grp.expand(-1, ug).flatten(), (r.block_start_dev[blk] + j_of).flatten(), ok_t.flatten())
+            plan["tier_rows"] = r.zoom_tier.locate(grp.expand(-1, ug).flatten(), (r.block_start_dev[blk] + j_of).flatten(), ok_t.flatten())  # once for all layers
         if r.layout is None:
             start = r.block_start_dev[blk]
         else:  # re-positioned (sekv/positions.py): the set's slots, fixed while it is
@@ -243,7 +243,7 @@ class FixedSets:
         krows = rec.index_select(0, src[0])
         vrows = rec.index_select(0, src[1])
         if r.zoom_tier is not None:  # the pack's zoom tier replaces the rows it covers (sekv/zoom_tier.py)
-            hit, tk, tv = r.zoom_tier.lookup(layer, *plan["tier_rows"])
+            hit, tk, tv = r.zoom_tier.rows(layer, *plan["tier_rows"])
             krows = torch.where(hit.view(-1, 1), tk.to(krows.dtype), krows)
             vrows = torch.where(hit.view(-1, 1), tv.to(vrows.dtype), vrows)
         if r.pre_rope:

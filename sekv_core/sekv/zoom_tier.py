@@ -106,7 +106,7 @@ class ZoomTier:
         t = self._tables.get(key)
         if t is not None:
             return t
-        hkv, d, P = self.shape.n_kv_heads, self.shape.head_dim, self.P
+        hkv, P = self.shape.n_kv_heads, self.P
         g = lambda p: self.store.get(f"sekv.zoom.{p}.{layer}").reshape(hkv * P, -1)  # noqa: E731
         cols = [g("k").view(torch.uint8), g("v").view(torch.uint8)]
         if self.int8:
@@ -134,17 +134,25 @@ class ZoomTier:
     def lookup(self, layer: int, group: torch.Tensor, token: torch.Tensor, valid: torch.Tensor):
         """Rows of (KV group, document token) pairs [M] (on the compute device): (hit [M] bool: the token is covered
         and valid, K [M, d] pre-RoPE, V [M, d]) in the model dtype; rows not hit hold some covered token's K / V."""
-        dev = token.device
-        d, P = self.shape.head_dim, self.P
-        if P == 0:
-            z = torch.zeros(token.numel(), d, dtype=self.shape.dtype, device=dev)
-            return torch.zeros_like(valid), z, z
-        pos = self.pos_dev if self.pos_dev.device == dev else self.pos.to(dev)
-        i = torch.searchsorted(pos, token).clamp_max(P - 1)
-        hit = valid & (pos[i] == token)
+        return self.rows(layer, *self.locate(group, token, valid))
+
+    def locate(self, group: torch.Tensor, token: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What :meth:`rows` reads for those pairs, the same in every layer: (hit [M], the tier row [M])."""
+        if self.P == 0:
+            return torch.zeros_like(valid), torch.zeros_like(token)
+        pos = self.pos_dev if self.pos_dev.device == token.device else self.pos.to(token.device)
+        i = torch.searchsorted(pos, token).clamp_max(self.P - 1)
+        return valid & (pos[i] == token), group * self.P + i
+
+    def rows(self, layer: int, hit: torch.Tensor, row: torch.Tensor):
+        """:meth:`lookup` of one layer from :meth:`locate`'s (hit, row)."""
+        dev = row.device
+        d = self.shape.head_dim
+        if self.P == 0:
+            z = torch.zeros(row.numel(), d, dtype=self.shape.dtype, device=dev)
+            return hit, z, z
         ahead = self._ahead.get(layer) if self._ahead is not None and dev == self.device else None
         words, src, W = ahead.result() if ahead is not None else self._table(layer, dev)
-        row = group * P + i
         idx = (row.view(-1, 1) * W + torch.arange(W, device=dev).view(1, -1)).flatten()
         got = src.index_select(0, idx).view(-1, W).view(torch.uint8)
         if self.int8:
