@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from ..sekv import compress, describe, gpu_step, layout, scout
+from ..sekv import compress, describe, gpu_step, layout, rope, scout, zoom_tier
 from ..sekv.host_copies import HostArena
 from ..sekv.memory import ZoomMemory
 from ..sekv.params import ABLATIONS, SekvParams
@@ -35,6 +36,15 @@ class SekvMethod(CacheMethod):
     def reserve_host(self, n_tokens: int, shape: ModelShape, params: SekvParams, pinned: bool = False) -> None:
         """Host memory for the pack of an n_tokens document, prepared while the prefill runs (sekv/host_copies.py)."""
         self._arena = HostArena(compress.host_bound(n_tokens, shape, params), pinned)
+
+    def prefill_stream(self, params: SekvParams, shape: ModelShape, n_tokens: int):
+        """The zoom tier (sekv/zoom_tier.py TierStream): its rows made a prefill chunk at a time and written while the
+        prefill runs; compress then makes the rest (its parameters without the tier)."""
+        if params.zoom_tier == "factors":
+            return None
+        pre = params.key_space == "pre_rope" and rope.inv_freq_of(shape) is not None
+        stream = zoom_tier.TierStream(params.zoom_tier, shape, n_tokens, layout.store_dtype(params, shape.dtype), pre)
+        return stream, dataclasses.replace(params, zoom_tier="factors")
 
     def compress(self, prefill: PrefillResult, params: SekvParams):
         arena, self._arena = getattr(self, "_arena", None), None
