@@ -315,6 +315,7 @@ class PackWriter:
         self._writeback = _writeback_starter()
         self.timeline: list[tuple[float, float, int]] = []
         self.written = 0
+        self._lock = threading.Lock()  # reserve() runs on the caller's thread and (submit_tensors) on the writer's
         self._thread = threading.Thread(target=self._run, name="sekv-pack-writer", daemon=True)
         self._thread.start()
 
@@ -324,16 +325,17 @@ class PackWriter:
         """Place tensor ``name`` at the end of the data region; its byte offset there."""
         if dtype not in _CODE:
             raise ValueError(f"pack tensor {name}: dtype {dtype} is not storable")
-        if name in self.specs:
-            raise ValueError(f"pack tensor {name} placed twice")
         n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-        self.specs[name], self.offsets[name] = (dtype, tuple(int(x) for x in shape)), self.end
-        self._done[name] = [0] * max(1, -(-n // _CHUNK))
-        self._hashes[name] = [None] * len(self._done[name])
-        if n == 0:
-            self._hashes[name][0] = _pool().submit(_chunk_sha, b"")
-        self.end += n
-        return self.offsets[name]
+        with self._lock:
+            if name in self.specs:
+                raise ValueError(f"pack tensor {name} placed twice")
+            self.specs[name], self.offsets[name] = (dtype, tuple(int(x) for x in shape)), self.end
+            self._done[name] = [0] * max(1, -(-n // _CHUNK))
+            self._hashes[name] = [None] * len(self._done[name])
+            if n == 0:
+                self._hashes[name][0] = _pool().submit(_chunk_sha, b"")
+            self.end += n
+            return self.offsets[name]
 
     def nbytes(self, name: str) -> int:
         dt, shape = self.specs[name]
@@ -344,6 +346,20 @@ class PackWriter:
         t = tensor.detach().contiguous().cpu()
         self.reserve(name, t.dtype, t.shape)
         self.submit(lambda: [(name, 0, _raw_bytes(t))], t.numel() * t.element_size())
+
+    def submit_tensors(self, fn) -> None:
+        """Append the tensors ``fn()`` returns ({name: host tensor}), ``fn`` run on the writer thread, in order (it
+        may wait there for them: compress's layers as they reach the host)."""
+
+        def pieces():
+            out = []
+            for name, t in sorted(fn().items()):
+                t = t.detach().contiguous().cpu()
+                self.reserve(name, t.dtype, t.shape)
+                out.append((name, 0, _raw_bytes(t)))
+            return out
+
+        self.submit(pieces)
 
     def submit(self, fn, nbytes: int = 0, reused: bool = False) -> None:
         """Run ``fn`` on the writer thread, in order, and write the pieces it returns.  ``nbytes``: about how many it
@@ -441,6 +457,8 @@ class PackWriter:
                 digests[name] = _finish_digest(futs)
             manifest = dict(manifest, magic=MAGIC, format_version=FORMAT_VERSION)
             manifest.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+            if isinstance(manifest.get("sizes"), dict):  # every tensor is placed now: their bytes
+                manifest["sizes"] = dict(manifest["sizes"], tensor_bytes=self.end)
             names = sorted(self.specs)
             specs = {k: self.specs[k] for k in names}
             head = _header(manifest, specs, digests, self.offsets, self.head)

@@ -44,17 +44,22 @@ class SekvMethod(CacheMethod):
             return None
         pre = params.key_space == "pre_rope" and rope.inv_freq_of(shape) is not None
         stream = zoom_tier.TierStream(params.zoom_tier, shape, n_tokens, layout.store_dtype(params, shape.dtype), pre)
+        self._stream = stream  # compress hands its layers' final tensors to the same pack writer as it makes them
         return stream, dataclasses.replace(params, zoom_tier="factors")
+
+    def _emit(self):
+        stream, self._stream = getattr(self, "_stream", None), None
+        return stream.writer.submit_tensors if stream is not None and stream.writer is not None else None
 
     def compress(self, prefill: PrefillResult, params: SekvParams):
         arena, self._arena = getattr(self, "_arena", None), None
         # compress_windows runs its many small tensor ops on one thread (intra-op threads cost more than they give
         # on a small CPU); the KVzip prior's model forwards keep the prefill's threads
-        return compress.compress(prefill, params, arena.take() if arena is not None else None)
+        return compress.compress(prefill, params, arena.take() if arena is not None else None, self._emit())
 
     def compress_windows(self, windows, params: SekvParams):
         arena, self._arena = getattr(self, "_arena", None), None
-        return compress.compress_windows(windows, params, arena.take() if arena is not None else None)
+        return compress.compress_windows(windows, params, arena.take() if arena is not None else None, self._emit())
 
     def open(self, store: TensorStore, params: SekvParams, shape: ModelShape, device) -> KVMemory:
         return ZoomMemory(store, params, shape, device)
