@@ -227,7 +227,8 @@ def ingest(
         # the pipelined ingest: what the method makes from each prefill chunk (sekv: the zoom tier) is written into
         # the pack while the prefill runs; compress makes the rest (cparams)
         stream, cparams = None, params
-        got = cache_method.prefill_stream(params, shape, len(ids)) if pipelined() and cache_method.needs_prefill else None
+        one_device = len(set(placement.layer_devices(lm.model))) <= 1  # a model across devices: the sequential ingest
+        got = cache_method.prefill_stream(params, shape, len(ids)) if pipelined() and cache_method.needs_prefill and one_device else None
         if got is not None:
             stream, cparams = got
             writer = PackWriter(slot, header_room(manifest, 64 * (shape.n_layers + 1)))

@@ -310,7 +310,7 @@ class PackWriter:
         self._queued = 0
         self._cv = threading.Condition()
         self._error: BaseException | None = None
-        self._closed = False
+        self._closed = False  # finished or aborted
         self._since_writeback = 0
         self._writeback = _writeback_starter()
         self.timeline: list[tuple[float, float, int]] = []
@@ -444,9 +444,16 @@ class PackWriter:
             self._q.put(None)
             self._thread.join()
 
+    @property
+    def open(self) -> bool:
+        """Whether tensors may still be given (neither finished nor aborted)."""
+        return not self._closed
+
     def finish(self, manifest: dict[str, Any]) -> int:
         """Wait for the writes, write the header, fsync, rename onto the target: the file size.  Every placed tensor
         must have been written whole.  On any error nothing is left (the temporary file removed)."""
+        if self._closed:
+            raise AssertionError("the pack writer was finished or aborted already")
         try:
             self._drain()
             self._check()
@@ -470,6 +477,7 @@ class PackWriter:
             os.close(self.fd)
             self.fd = -1
             os.replace(self.slot.tmp, self.path)
+            self._closed = True
         except OSError as e:
             self.abort()
             raise SekvError(f"{self.path}: cannot write the pack ({e.strerror or type(e).__name__}); nothing was written") from None

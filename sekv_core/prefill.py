@@ -89,7 +89,7 @@ def prefill(
                     surprisal[start + 1 + b : start + 1 + b + tgt.numel()] = s
         if on_chunk is not None:
             end = start + piece.shape[1]
-            on_chunk(start, end, lambda li, a=start, b=end: _rows(memory.kv, li, a, b, offload_kv))
+            on_chunk(start, end, lambda li, a=start, b=end: _rows(memory.kv, li, a, b, offload_kv, device))
         if progress:
             progress(min(start + chunk, n), n)
     surprisal = surprisal.cpu()
@@ -105,10 +105,11 @@ def prefill(
                          model_fingerprint=str(getattr(model, "sekv_fingerprint", "")), model_id=str(getattr(model, "sekv_model_id", "")), model=model)
 
 
-def _rows(kv, li: int, a: int, b: int, offloaded: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer li's keys and values of tokens [a, b) as the prefill holds them: [Hkv, b - a, d] (views)."""
+def _rows(kv, li: int, a: int, b: int, offloaded: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer li's keys and values of tokens [a, b) as the prefill holds them: [Hkv, b - a, d] (views; offloaded:
+    copied to ``device``, where compress would read them)."""
     if offloaded:  # kv_offload.HostKV: token-major host buffers
-        return kv.hk[li][a:b].transpose(0, 1), kv.hv[li][a:b].transpose(0, 1)
+        return kv.hk[li][a:b].to(device).transpose(0, 1), kv.hv[li][a:b].to(device).transpose(0, 1)
     return kv.k[li][0, :, a:b], kv.v[li][0, :, a:b]
 
 

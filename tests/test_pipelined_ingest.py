@@ -157,3 +157,27 @@ def test_the_writer_writes_pieces_in_any_order_into_a_safetensors_file(tmp_path,
     p = read_pack(tmp_path / "w.sekv")
     assert torch.equal(p.get("x"), x)
     p.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_the_pipelined_pack_holds_the_sequential_packs_tier_bit_for_bit(tiny_qwen, tmp_path, monkeypatch):
+    """On CUDA the tier's rows travel through the writer thread's staging copy and side stream: they must still be
+    the sequential path's, bit for bit (elementwise arithmetic, RoPE's cos / sin made on the host in both), as must the
+    full-resolution tokens (copies of the prefill's KV); the rest comes from the same compress (its CUDA reductions
+    are not run-to-run deterministic, so those are compared by name, dtype and shape)."""
+    from sekv_core import models
+
+    lm = models.load(str(tiny_qwen), device="cuda", dtype=torch.bfloat16)
+    seq, pip = _ingest_both(lm, tmp_path, monkeypatch, SAMPLE_MD, {"zoom_tier": "int8"})
+    want, _ = _tensors(seq.pack_path)
+    got, _ = _tensors(pip.pack_path)
+    assert {k: (v.dtype, v.shape) for k, v in got.items() if not k.startswith("sekv.zoom.")} == {
+        k: (v.dtype, v.shape) for k, v in want.items() if not k.startswith("sekv.zoom.")}
+    idx = want["sekv.zoom.idx"]
+    assert torch.equal(got["sekv.zoom.idx"], torch.arange(int(want["sekv.config"][0])))
+    for k in want:
+        if k.startswith("sekv.zoom.") and k != "sekv.zoom.idx":
+            assert torch.equal(got[k].index_select(1, idx), want[k]), k
+        if k.startswith("sekv.full."):
+            assert torch.equal(got[k], want[k]), k
+    assert pip.written_in_prefill > 0

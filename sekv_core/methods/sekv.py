@@ -49,7 +49,8 @@ class SekvMethod(CacheMethod):
 
     def _emit(self):
         stream, self._stream = getattr(self, "_stream", None), None
-        return stream.writer.submit_tensors if stream is not None and stream.writer is not None else None
+        live = stream is not None and stream.writer is not None and stream.writer.open  # not one an earlier ingest left
+        return stream.writer.submit_tensors if live else None
 
     def compress(self, prefill: PrefillResult, params: SekvParams):
         arena, self._arena = getattr(self, "_arena", None), None

@@ -232,7 +232,8 @@ def compress_windows(windows, params: SekvParams, arena: torch.Tensor | None = N
         # a window that is the whole document codes its factors where it makes them (merge passes them on)
         whole = not pieces and prefill.start == 0 and prefill.n_tokens == (prefill.doc_tokens or prefill.n_tokens)
         with fz.single_thread():  # many small tensor ops: intra-op threads cost more than they give (the prefill keeps them)
-            piece = compress_window(prefill, params, trained, rest, code=whole, emit=emit if whole else None)
+            on = {"emit": emit} if whole and emit is not None else {}
+            piece = compress_window(prefill, params, trained, rest, code=whole, **on)
         rest = arena_after(rest, piece.arena_bytes)  # every window's results in the host arena, one after the other
         if params.prior == "kvzip":  # KVzip's reconstruction passes: model forwards, with the prefill's threads
             piece.tensors["prior.kvzip"] = prior.window_prior(prefill, params.layout_budget)

@@ -226,13 +226,13 @@ class TierStream:
         if a != self.covered or b > self.n:
             raise ValueError(f"the zoom tier's stream got tokens [{a}, {b}) after [0, {self.covered}) of {self.n}")
         self.covered = b
-        made, cs = [], None
+        made, cs = [], {}
         for li in range(self.shape.n_layers):
             k, v = rows(li)
-            if self.inv is not None and cs is None:  # as compress's rot: cos / sin on the host, rounded through k's dtype
+            if self.inv is not None and k.device not in cs:  # as compress's rot: cos / sin on the host, rounded through k's dtype
                 c, s = rope.cos_sin(torch.arange(a, b), self.inv, self.shape.rope_attention_scaling, dtype=k.dtype)
-                cs = (c.to(k.device), s.to(k.device))
-            made += [(f"sekv.zoom.{p}.{li}", t) for p, t in self.rows_of(k, v, a, b, cs)]
+                cs[k.device] = (c.to(k.device), s.to(k.device))
+            made += [(f"sekv.zoom.{p}.{li}", t) for p, t in self.rows_of(k, v, a, b, cs.get(k.device))]
         dev = made[0][1].device
         nbytes = sum(t.numel() * t.element_size() for _, t in made)
         self.bytes += nbytes
