@@ -43,7 +43,7 @@ SHAPES = {
                rope_theta=500000.0, max_position_embeddings=139264),
     # the 8B's KV geometry (8 KV heads of 128) in 4 small layers: the CPU proxy of benchmarks/ingest_stages.py --ingest
     "kv8b": dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, intermediate_size=1024,
-                 rope_theta=500000.0, max_position_embeddings=32768),
+                 rope_theta=500000.0, max_position_embeddings=139264),
     # a few MB, for testing this script on the CPU
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
                  rope_theta=10000.0, max_position_embeddings=32768),

@@ -62,7 +62,7 @@ def write_only(mib: int, where: str | None) -> int:
     return 0
 
 
-def ingest_both(tokens: int, where: str | None, repeat: int) -> int:
+def ingest_both(tokens: int, where: str | None, repeat: int, device: str = "cpu") -> int:
     import os
     import random
 
@@ -72,8 +72,8 @@ def ingest_both(tokens: int, where: str | None, repeat: int) -> int:
 
     with tempfile.TemporaryDirectory(dir=where) as td:
         d = Path(td)
-        random_model("kv8b", d / "model", "qwen2.5-0.5b", "cpu", 0)
-        lm = models.load(str(d / "model"), device="cpu", dtype=torch.bfloat16)
+        random_model("kv8b", d / "model", "qwen2.5-0.5b", device, 0)
+        lm = models.load(str(d / "model"), device=device, dtype=torch.bfloat16)
         rng = random.Random(0)
         words = [w for w in "harbour ledger pump valve ship dawn tide crane cargo north river stone grain mill bell".split()]
         text, n = [], 0
@@ -114,12 +114,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="only pack.write_pack of MIB of random int8 tensors in 640 tensors (a pack's count), best of 3")
     ap.add_argument("--dir", default=None, help="where --write-only / --ingest write (default: a temporary folder)")
     ap.add_argument("--ingest", action="store_true", help="sekv_core.ingest on a random kv8b model, sequential and pipelined")
+    ap.add_argument("--device", default="cpu", help="--ingest's device (cuda: the GPU path's overlap)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.write_only:
         return write_only(a.write_only, a.dir)
     if a.ingest:
-        return ingest_both(a.tokens, a.dir, a.repeat)
+        return ingest_both(a.tokens, a.dir, a.repeat, a.device)
     from benchmarks.compress_ops import random_prefill
     from sekv_core import pack
     from sekv_core.sekv import compress as sc
