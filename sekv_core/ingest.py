@@ -292,7 +292,7 @@ def ingest(
         raise
     t4 = time.perf_counter()
     return IngestResult(out_path, len(ids), size, raw_fp16, prefill_s, t3 - t1 - prefill_s, t4 - t3, t4 - t0, method, params, len(plan),
-                        after_prefill_s=t4 - spent["end"], written_in_prefill=spent["written"], pipelined=writer is not None,
+                        after_prefill_s=t4 - (spent["end"] or t1), written_in_prefill=spent["written"], pipelined=writer is not None,
                         write_timeline=_timeline(writer, t1))
 
 

@@ -73,6 +73,18 @@ def test_the_pipelined_pack_holds_the_sequential_packs_tensors(lm, tmp_path, mon
     assert pip.written_in_prefill > 0 and pip.after_prefill_s > 0
 
 
+def test_full_kv_written_during_the_prefill_is_the_sequential_pack(lm, tmp_path, monkeypatch):
+    monkeypatch.setenv(PIPELINE_ENV, "0")
+    seq = ingest(SAMPLE_MD, tmp_path / "seq.sekv", lm=lm, method="full", chunk=128)
+    monkeypatch.setenv(PIPELINE_ENV, "1")
+    pip = ingest(SAMPLE_MD, tmp_path / "pip.sekv", lm=lm, method="full", chunk=128)
+    assert pip.pipelined and not seq.pipelined and pip.written_in_prefill > 0
+    want, wm = _tensors(seq.pack_path)
+    got, gm = _tensors(pip.pack_path)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert gm["sizes"] == wm["sizes"]
+
+
 def test_a_one_window_document_gives_the_same_answers(lm, tmp_path, monkeypatch):
     from sekv_core.session import Session
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..chunk_stream import ChunkStream
 from .blocks import device_view
 
 TIERS = ("factors", "int8", "exact")
@@ -167,116 +168,51 @@ class ZoomTier:
         return hit, k.to(self.shape.dtype), v.to(self.shape.dtype)
 
 
-class TierStream:
-    """The zoom tier made while the prefill runs and written into the pack as it goes (sekv_core/ingest.py's
-    pipelined ingest): a chunk's tokens' K / V are final once the chunk has passed every layer (causal attention), so
-    their tier rows are made then, on the prefill's device, and handed to the pack's writer thread
-    (pack.PackWriter), which copies them to the host and writes them into the tensors it placed for the tier at the
-    start.  It covers every document token (``zoom.idx`` = 0..N-1): which tokens the spans take is known only
-    after the prefill (the segmentation's statistics are the whole document's), and the rows of the few tokens kept
-    at full resolution (sinks, anchors, the recent window) are never read.  Each row is made by the arithmetic of
+class TierStream(ChunkStream):
+    """The zoom tier made while the prefill runs and written into the pack as it goes (sekv_core/chunk_stream.py).
+    It covers every document token (``zoom.idx`` = 0..N-1): which tokens the spans take is known only after the
+    prefill (the segmentation's statistics are the whole document's), and the rows of the few tokens kept at full
+    resolution (sinks, anchors, the recent window) are never read.  Each row is made by the arithmetic of
     :func:`window_tensors` (RoPE's cos / sin of its position made on the host, undone on the device, one scale a
-    row), so a span token's row is bit for bit the sequential path's.
-
-    Called as the prefill's ``on_chunk(a, b, rows)``: global tokens [a, b), ``rows(layer)`` -> (post-RoPE keys,
-    values) [Hkv, b - a, d] at global positions."""
+    row), so a span token's row is bit for bit the sequential path's."""
 
     def __init__(self, kind: str, shape, n_tokens: int, sdt: torch.dtype, pre_rope: bool):
         from . import rope
 
-        self.writer, self.kind, self.shape, self.n, self.sdt = None, kind, shape, int(n_tokens), sdt
+        super().__init__(shape, n_tokens)
+        self.kind, self.sdt = kind, sdt
         self.inv = rope.inv_freq_of(shape) if pre_rope else None
         self.parts = ("k", "ks", "v", "vs") if kind == "int8" else ("k", "v")
-        self.covered = 0  # tokens made so far (in order)
-        self.staging = None  # page-locked host memory the device's rows are copied into (CUDA), reused chunk after chunk
-        self.side = None
-        self.bytes = 0  # tier bytes handed to the writer
+        self._cs: dict = {}  # (a, device) -> RoPE's cos / sin of the chunk's positions there
 
-    def start(self, writer) -> None:
-        """Place the tier's tensors in the pack (pack.PackWriter.reserve): [Hkv, N, d] rows, [Hkv, N] scales."""
-        self.writer = writer
-        hkv, d = self.shape.n_kv_heads, self.shape.head_dim
+    def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        hkv, d, out = self.shape.n_kv_heads, self.shape.head_dim, {}
         for li in range(self.shape.n_layers):
             for p in self.parts:
                 scale = p.endswith("s")
                 dt = torch.float16 if scale else torch.int8 if self.kind == "int8" else self.sdt
-                writer.reserve(f"sekv.zoom.{p}.{li}", dt, (hkv, self.n) if scale else (hkv, self.n, d))
+                out[f"sekv.zoom.{p}.{li}"] = (dt, (hkv, self.n) if scale else (hkv, self.n, d))
+        return out
 
-    def rows_of(self, k: torch.Tensor, v: torch.Tensor, a: int, b: int, cs=None) -> list[tuple[str, torch.Tensor]]:
-        """One layer's tier rows of tokens [a, b): [(part, tensor [Hkv, b - a(, d)])] on k's device."""
+    def layer_rows(self, li: int, k: torch.Tensor, v: torch.Tensor, a: int, b: int) -> list[tuple[str, torch.Tensor]]:
         from . import rope
 
         kx = k.float()
-        if cs is not None:
-            kx = rope.undo(kx, *cs)
+        if self.inv is not None:  # as compress's rot: cos / sin on the host, rounded through k's dtype
+            key = (a, k.device)
+            if key not in self._cs:
+                c, s = rope.cos_sin(torch.arange(a, b), self.inv, self.shape.rope_attention_scaling, dtype=k.dtype)
+                self._cs = {key: (c.to(k.device), s.to(k.device))}
+            kx = rope.undo(kx, *self._cs[key])
         out = []
         for name, x in (("k", kx), ("v", v)):
             if self.kind == "exact":
-                out.append((name, x.to(self.sdt)))
+                out.append((f"sekv.zoom.{name}.{li}", x.to(self.sdt)))
             else:
                 q, sc = quantize_rows(x)
-                out += [(name, q), (name + "s", sc)]
+                out += [(f"sekv.zoom.{name}.{li}", q), (f"sekv.zoom.{name}s.{li}", sc)]
         return out
 
-    def __call__(self, a: int, b: int, rows) -> None:
-        from . import rope
-
-        if b <= a:
-            return
-        if a != self.covered or b > self.n:
-            raise ValueError(f"the zoom tier's stream got tokens [{a}, {b}) after [0, {self.covered}) of {self.n}")
-        self.covered = b
-        made, cs = [], {}
-        for li in range(self.shape.n_layers):
-            k, v = rows(li)
-            if self.inv is not None and k.device not in cs:  # as compress's rot: cos / sin on the host, rounded through k's dtype
-                c, s = rope.cos_sin(torch.arange(a, b), self.inv, self.shape.rope_attention_scaling, dtype=k.dtype)
-                cs[k.device] = (c.to(k.device), s.to(k.device))
-            made += [(f"sekv.zoom.{p}.{li}", t) for p, t in self.rows_of(k, v, a, b, cs.get(k.device))]
-        dev = made[0][1].device
-        nbytes = sum(t.numel() * t.element_size() for _, t in made)
-        self.bytes += nbytes
-        event = None
-        if dev.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        self.writer.submit(lambda: self._pieces(made, a, b, event), nbytes, reused=dev.type == "cuda")
-
-    def _pieces(self, made, a: int, b: int, event):
-        """On the writer thread: the chunk's rows on the host (CUDA: copied into the staging memory on a stream of
-        its own once the prefill's kernels that made them are done) -> the pack pieces, one per tensor and KV head."""
-        host = [t for _, t in made]
-        if event is not None:
-            total = sum(t.numel() * t.element_size() for t in host)
-            if self.staging is None or self.staging.numel() < total:
-                self.staging = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-                self.side = self.side or torch.cuda.Stream(device=host[0].device)
-            self.side.wait_event(event)
-            outs, o = [], 0
-            with torch.cuda.stream(self.side):
-                for t in host:
-                    nb = t.numel() * t.element_size()
-                    dst = self.staging[o : o + nb].view(t.dtype).view(t.shape)
-                    dst.copy_(t, non_blocking=True)
-                    outs.append(dst)
-                    o += nb
-            self.side.synchronize()
-            host = outs
-        pieces = []
-        for (name, _), t in zip(made, host):
-            t = t.contiguous()
-            row = t[0].numel() // max(b - a, 1) * t.element_size()  # bytes a token of one head
-            for h in range(t.shape[0]):
-                pieces.append((name, (h * self.n + a) * row, _bytes(t[h])))
-        made.clear()  # the device rows go (after their copy)
-        return pieces
-
-    def finish(self) -> None:
-        """After the prefill: the covered tokens' index (every document token)."""
-        if self.covered != self.n:
-            raise ValueError(f"the zoom tier's stream covered {self.covered} of {self.n} tokens")
-        self.writer.put("sekv.zoom.idx", torch.arange(self.n, dtype=torch.long))
-
-
-def _bytes(t: torch.Tensor):
-    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else memoryview(b"")
+    def finish_tensors(self) -> dict[str, torch.Tensor]:
+        """The covered tokens' index (every document token)."""
+        return {"sekv.zoom.idx": torch.arange(self.n, dtype=torch.long)}
