@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from .pack import _raw_bytes
+
 
 class ChunkStream:
     def __init__(self, shape, n_tokens: int):
@@ -91,7 +93,7 @@ class ChunkStream:
             t = t.contiguous()
             row = t[0].numel() // max(b - a, 1) * t.element_size()  # bytes a token of one head
             for h in range(t.shape[0]):
-                pieces.append((name, (h * self.n + a) * row, _bytes(t[h])))
+                pieces.append((name, (h * self.n + a) * row, _raw_bytes(t[h])))
         made.clear()  # the device rows go (after their copy)
         return pieces
 
@@ -101,7 +103,3 @@ class ChunkStream:
             raise ValueError(f"a prefill stream covered {self.covered} of {self.n} tokens")
         for name, t in self.finish_tensors().items():
             self.writer.put(name, t)
-
-
-def _bytes(t: torch.Tensor):
-    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else memoryview(b"")

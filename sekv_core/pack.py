@@ -404,10 +404,7 @@ class PackWriter:
         if off < 0 or off + n > self.nbytes(name):
             raise ValueError(f"pack tensor {name}: a piece [{off}, {off + n}) outside its {self.nbytes(name)} bytes")
         t0 = time.perf_counter()
-        at = self.head + self.offsets[name] + off
-        done = 0
-        while done < n:
-            done += os.pwrite(self.fd, mv[done:], at + done)
+        _pwrite_all(self.fd, mv, self.head + self.offsets[name] + off)
         self.written += n
         self._since_writeback += n
         if self._since_writeback >= WRITEBACK_EVERY:
