@@ -202,7 +202,9 @@ class TierStream(ChunkStream):
             key = (a, k.device)
             if key not in self._cs:
                 c, s = rope.cos_sin(torch.arange(a, b), self.inv, self.shape.rope_attention_scaling, dtype=k.dtype)
-                self._cs = {key: (c.to(k.device), s.to(k.device))}
+                if k.device.type == "cuda":  # page-locked first: a pageable copy would wait for the prefill's kernels
+                    c, s = c.pin_memory(), s.pin_memory()
+                self._cs = {key: (c.to(k.device, non_blocking=True), s.to(k.device, non_blocking=True))}
             kx = rope.undo(kx, *self._cs[key])
         out = []
         for name, x in (("k", kx), ("v", v)):
