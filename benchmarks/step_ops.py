@@ -10,6 +10,7 @@ made it ("model": the model's own code).  SDPA is counted as one call (one fused
 
     python -m benchmarks.step_ops --tokens 8192                # sekv (budget 0.10, scout routing) and full
     python -m benchmarks.step_ops --tokens 8192 --sites        # and the calls by sekv line
+    python -m benchmarks.step_ops --tokens 1024 --layers 32 --host   # the host's bookkeeping a step, at 32 layers
 
 The step counted is an answer's third (the fixed set filled by the first, reused since).
 """
@@ -149,6 +150,21 @@ def count_steps(model, memory, question: list[int], steps: int = 3) -> list[Step
     return out
 
 
+def host_us(memory, n: int = 200) -> float:
+    """Microseconds of host bookkeeping a replayed step costs its caller (GraphedStep._step without the replay)."""
+    import time
+
+    with torch.inference_mode():
+        t = time.perf_counter()
+        for _ in range(n):
+            memory.static_begin()
+            memory.static_key()
+            memory.static_end()
+        dt = (time.perf_counter() - t) / n
+        memory.truncate(memory.n_tokens() - n)
+    return dt * 1e6
+
+
 def memories(tokens: int, layers: int, dtype, budget: float = 0.10, **geometry):
     """(model, {"sekv": memory, "full": memory}) over one random document (geometry: :func:`model_8b_heads`'s)."""
     from sekv_core import methods
@@ -181,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--sites", action="store_true", help="the calls and bytes by sekv line")
+    ap.add_argument("--host", action="store_true", help="also time the host's bookkeeping around a replayed step (static_begin, static_key, static_end)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(2)
@@ -195,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
                "model_calls_per_step": sum(n for s, n in c.by_site.items() if s[0] == "model")}
         if a.sites:
             row["sites"] = [(f"{n} @ {s}", k, c.bytes_by_site[(s, n)]) for (s, n), k in c.by_site.most_common()]
+        if a.host:
+            row["host_us_per_step"] = host_us(mem)
+            print(f"{name}: static_begin + static_key + static_end {row['host_us_per_step']:.0f} us a step (host)")
         report[name] = row
         print(f"{name}, {L} layers: {c.calls} calls, {c.bytes / 2**20:.2f} MiB per step; the memory's code (attention, K/V append, "
               f"step bookkeeping) {row['memory_calls_per_step']} calls, {row['memory_bytes_per_step'] / 2**20:.2f} MiB; the model's own "

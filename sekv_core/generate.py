@@ -130,7 +130,7 @@ def generate(
             else:
                 on_token(nxt)
         # greedy: the next step's input is the argmax on the device (no host-to-device copy)
-        ids = best.view(1, 1) if best is not None else torch.tensor([[nxt]], device=device)
+        ids = best.view(1, 1).to(device) if best is not None else torch.tensor([[nxt]], device=device)
     _sync(device)
     t_end = time.perf_counter()
     stats.generated_tokens = len(out)
