@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import typer
@@ -44,6 +45,10 @@ def open_session(pack: Path, model, method, budget, device, quiet: bool, router:
         session = Session.open(pack, model=model, method=method, params=method_overrides(budget, router, routing), progress=cb, **place)
     session.restrict(docs)
     return session
+
+
+#: how often a terminal's live stats line is remade while an answer streams
+LIVE_HZ = 8
 
 
 def live_line(memory) -> str:
@@ -122,10 +127,15 @@ def run_question(
     if out.is_terminal:
         text = Text()
         status = Text(style="dim")
-        with Live(Group(text, status), console=out, refresh_per_second=8, transient=False) as live:
+        with Live(Group(text, status), console=out, refresh_per_second=LIVE_HZ, transient=False) as live:
 
-            def on_step(memory):
-                status.plain = live_line(memory)
+            shown = [0.0]
+
+            def on_step(memory):  # the stats line at most LIVE_HZ times a second: reading the stats waits for the device
+                now = time.monotonic()
+                if now - shown[0] >= 1 / LIVE_HZ:
+                    status.plain = live_line(memory)
+                    shown[0] = now
 
             answer = session.ask(question, history=history, max_new_tokens=max_new_tokens, on_text=lambda piece: text.append(safe(piece)), on_step=on_step, sampling=sampling)
             status.plain = ""

@@ -86,6 +86,10 @@ def generate(
     # forward(): the question's tokens through the model over the memory; forward(other_ids): those instead (rag prefills its chunks)
     memory.prepare_question(lambda other=None: runtime.forward_hidden(model, ids if other is None else other, memory.n_tokens(), memory), question)
     marks.mark()
+    # a captured step is launched as soon as its token is known: the host's work for the token before (its text,
+    # printed) runs while the device computes, not between steps
+    defer = graphed is not None and graphed.capture
+    pending = None
     while True:
         if graphed is not None and ids.shape[1] == 1:
             hidden = graphed(ids)
@@ -93,11 +97,18 @@ def generate(
             memory.begin_step(ids.shape[1])
             hidden = runtime.forward_hidden(model, ids, memory.n_tokens(), memory)
             memory.end_step()
+        if pending is not None:
+            on_token(pending)
+            pending = None
         with torch.inference_mode():
             logits = head(hidden[:, -1])
             if t_first is None:
                 marks.mark()
-            nxt = int(logits.argmax(-1).item()) if sampler is None else sampler(logits[0])
+            if sampler is None:
+                best = logits.argmax(-1)
+                nxt = int(best.item())
+            else:
+                best, nxt = None, sampler(logits[0])
         peak = max(peak, memory.resident_now())
         if on_step:
             on_step(memory)
@@ -108,12 +119,18 @@ def generate(
             stats.stop_reason = "stop token"
             break
         out.append(nxt)
-        if on_token:
-            on_token(nxt)
         if len(out) >= max_new_tokens:
+            if on_token:
+                on_token(nxt)
             stats.stop_reason = "max_new_tokens"
             break
-        ids = torch.tensor([[nxt]], device=device)
+        if on_token:
+            if defer:
+                pending = nxt
+            else:
+                on_token(nxt)
+        # greedy: the next step's input is the argmax on the device (no host-to-device copy)
+        ids = best.view(1, 1).to(device) if best is not None else torch.tensor([[nxt]], device=device)
     _sync(device)
     t_end = time.perf_counter()
     stats.generated_tokens = len(out)

@@ -24,6 +24,11 @@ graph captured for one answer serves the next answers too, whose first step
 runs eagerly.  Off CUDA (tests), the same
 static path runs eagerly, so what is captured is the code the CPU tests check.
 
+The model's own small kernels are most of a step's launches (a Llama layer: 7 projections, 2 norms of 8 kernels
+each, a rotary embedding of 10; benchmarks/step_ops.py counts them): a static step runs the norms as one
+``F.rms_norm`` each and the rotary embedding in 6 kernels (:func:`fused_ops`: the same arithmetic, rounded once
+where transformers' code rounds twice), so a captured layer has 20 of the model's kernels instead of ~43.
+
 ``compile_layers=True`` also fuses the model's own small kernels (norms, rotary,
 activation, residual adds): inside a static step every decoder layer runs
 through one ``torch.compile``d function shared by all layers (the attention
@@ -41,6 +46,7 @@ import time
 from collections.abc import Hashable
 
 import torch
+import torch.nn.functional as F
 
 from . import runtime
 from .methods.base import KVMemory
@@ -71,6 +77,67 @@ def compiled_layers(model):
     finally:
         for layer in layers:
             del layer.forward
+
+
+#: RMSNorm classes that compute ``weight * (x * rsqrt(mean(x^2) + eps))`` in float32, rounded to x's dtype (Llama's):
+#: a static step runs them as one ``F.rms_norm`` call, a fused kernel on CUDA where transformers' code makes eight
+#: (the product with the weight rounded once instead of twice: within the model dtype's rounding)
+RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm", "Qwen3RMSNorm"})
+
+
+def _rms_norm(module, x: torch.Tensor) -> torch.Tensor:
+    w = module.weight
+    if x.dtype != w.dtype:  # transformers' promotes to the wider dtype: left to its code
+        return type(module).forward(module, x)
+    return F.rms_norm(x, w.shape, w, module.variance_epsilon)
+
+
+#: transformers' modeling modules whose ``apply_rotary_pos_emb`` is Llama's, ``x * cos + rotate_half(x) * sin`` with
+#: rotate_half(x) = cat(-x2, x1): a static step runs it as ``addcmul(x * cos, roll(x, d / 2), sin')`` with sin' = sin,
+#: its first half negated (made once a step): three kernels a tensor where it makes five (the last sum rounded once)
+ROTARY_MODULES = frozenset(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen2", "mistral", "qwen3"))
+
+
+def _rotary(plain, signed: dict):
+    """A Llama ``apply_rotary_pos_emb`` (plain) in fewer kernels, its signed sin made once per sin tensor (signed:
+    for one forward); a call in another form than transformers' (q, k, cos, sin[, unsqueeze_dim]) goes to plain."""
+
+    def apply(q, k, cos, sin, *rest, unsqueeze_dim=1, **kw):
+        if rest or kw:
+            return plain(q, k, cos, sin, *rest, unsqueeze_dim=unsqueeze_dim, **kw)
+        held = signed.get(id(sin))
+        if held is None:  # the same cos / sin for every layer of a forward (the reference keeps the id unique)
+            h = sin.shape[-1] // 2
+            held = signed[id(sin)] = (sin, torch.cat([-sin[..., :h], sin[..., h:]], -1).unsqueeze(unsqueeze_dim))
+        cos, s = cos.unsqueeze(unsqueeze_dim), held[1]
+        h = q.shape[-1] // 2
+        return torch.addcmul(q * cos, q.roll(h, -1), s), torch.addcmul(k * cos, k.roll(h, -1), s)
+
+    return apply
+
+
+@contextlib.contextmanager
+def fused_ops(model):
+    """Within the block, the model's RMSNorm modules of :data:`RMS_NORMS` run as :func:`_rms_norm` and the rotary
+    embedding of :data:`ROTARY_MODULES` as :func:`_rotary`'s: the same arithmetic in fewer kernels (a decode step on
+    CUDA is bound by their number as much as by the bytes it reads)."""
+    import sys
+
+    norms = [m for m in model.modules() if type(m).__name__ in RMS_NORMS and hasattr(m, "variance_epsilon")]
+    mods = {type(m).__module__ for m in model.modules()} & ROTARY_MODULES
+    saved = [(sys.modules[n], sys.modules[n].apply_rotary_pos_emb) for n in mods if hasattr(sys.modules[n], "apply_rotary_pos_emb")]
+    signed: dict = {}
+    for m in norms:
+        m.forward = functools.partial(_rms_norm, m)
+    for mod, plain in saved:
+        mod.apply_rotary_pos_emb = _rotary(plain, signed)
+    try:
+        yield
+    finally:
+        for m in norms:
+            del m.forward
+        for mod, f in saved:
+            mod.apply_rotary_pos_emb = f
 
 
 class GraphedStep:
@@ -119,7 +186,7 @@ class GraphedStep:
         return out
 
     def _forward(self) -> torch.Tensor:
-        fused = compiled_layers(self.model) if self.compile_layers else contextlib.nullcontext()
+        fused = compiled_layers(self.model) if self.compile_layers else fused_ops(self.model)
         with runtime.using(self.memory), self.memory.static_mode(), torch.inference_mode(), fused:
             return self.model.get_decoder()(input_ids=self.tok, position_ids=self.pos, use_cache=False).last_hidden_state
 

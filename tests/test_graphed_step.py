@@ -193,3 +193,55 @@ def test_cuda_capture_survives_page_locking_on_another_thread():
         outs.append(lg.cpu())
     assert step.captures >= 1
     assert torch.allclose(outs[0], outs[1], atol=2e-3, rtol=1e-3), (outs[0] - outs[1]).abs().max()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_static_step_calls_per_layer_are_bounded(kind):
+    """A static step's non-view aten calls (about one CUDA kernel each; benchmarks/step_ops.py counts them) grow per
+    layer by at most the model's fused layer (7 projections, 2 norms, rotary as 2 x (mul, roll, addcmul), 2 residual
+    adds, the activation and its product: 20) plus the memory's (the new token's K and V written, one attention: 3 for
+    sekv over a reused fixed set; 5 for full, whose mask is remade a layer); and sekv's memory code moves no more
+    than a few rows a layer besides the attention (no copy of the resident set or its mask a step)."""
+    from benchmarks.step_ops import count_steps, memories
+
+    geometry = {"heads": 8, "kv_heads": 2, "head_dim": 32, "hidden": 64, "kind": kind}
+    counts = {}
+    for layers in (2, 3):
+        model, mems = memories(400, layers, torch.float32, budget=0.2, **geometry)
+        for name, mem in mems.items():
+            counts[name, layers] = count_steps(model, mem, QUESTION)[-1]
+    for name, memory_calls in (("sekv", 3), ("full", 5)):
+        a, b = counts[name, 2], counts[name, 3]
+        assert b.calls - a.calls <= 20 + memory_calls, (name, b.calls - a.calls, b.by_site - a.by_site)
+        mine = lambda c: sum(n for s, n in c.by_site.items() if s[0] != "model")  # noqa: E731
+        assert mine(b) - mine(a) <= memory_calls, (name, b.by_site - a.by_site)
+    sekv = counts["sekv", 3]
+    moved = sum(v for (site, op), v in sekv.bytes_by_site.items() if site != "model" and op != "sdpa")
+    row = geometry["kv_heads"] * geometry["head_dim"] * 4  # one token's K or V, float32
+    assert moved <= 3 * 8 * row, moved  # 3 layers: K and V rows, an index, a mask column
+
+
+def test_fused_norm_and_rotary_are_the_models_within_bf16_rounding():
+    """The static step's fused RMSNorm and rotary (graphed_step.fused_ops) give transformers' results within one bf16
+    rounding, exactly in float32 arithmetic up to float32 rounding, and leave the model's code as it was."""
+    import transformers.models.llama.modeling_llama as ml
+
+    from sekv_core.graphed_step import fused_ops
+
+    model = tiny("llama")
+    norm, plain = model.model.layers[0].input_layernorm, ml.apply_rotary_pos_emb
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2.0**-7)):
+        norm.weight.data = (1 + torch.randn(64, generator=g)).to(dtype)
+        x = (3 * torch.randn(1, 1, 64, generator=g)).to(dtype)
+        q, k = (torch.randn(1, n, 1, 16, generator=g).to(dtype) for n in (4, 2))
+        ang = torch.rand(1, 1, 8, generator=g) * 6
+        cos, sin = (f(torch.cat([ang, ang], -1)).to(dtype) for f in (torch.cos, torch.sin))
+        ref = norm(x), *ml.apply_rotary_pos_emb(q, k, cos, sin)
+        with fused_ops(model):
+            assert "forward" in vars(norm) and ml.apply_rotary_pos_emb is not plain
+            got = norm(x), *ml.apply_rotary_pos_emb(q, k, cos, sin)
+        for a, b in zip(ref, got):
+            assert a.dtype == b.dtype
+            assert torch.allclose(a.float(), b.float(), atol=tol * 4, rtol=tol), (dtype, (a.float() - b.float()).abs().max())
+    assert "forward" not in vars(norm) and ml.apply_rotary_pos_emb is plain

@@ -90,6 +90,10 @@ class FixedSets:
 
     def static_begin(self, key) -> None:
         self.reused_now = self.reusable_layers(key)  # what a replayed step does
+        # every layer reuses its set, and every layer's mask is a view of one tensor (one device): the step's first
+        # layer unmasks the new token's column and counts the reuse for all layers at once (two kernels a step, not
+        # three a layer)
+        self.all_reused = all(self.reused_now) and getattr(self, "_mask_all", None) is not None and not self.res.split
 
     # -- stats ----------------------------------------------------------------------------------------------
 
@@ -120,6 +124,11 @@ class FixedSets:
         reuse = self.filled_for[layer] == key
         self.reused_now[layer] = reuse
         if reuse:
+            if getattr(self, "all_reused", False) and torch.is_tensor(lim):  # a static step over reused sets only
+                if layer == 0:
+                    self.reuses.add_(1)
+                    self._mask_all.index_fill_(-1, (lim - 1).view(1), 0.0)
+                return self._joint_attention(layer, query, scaling, lim, fresh=False, unmasked=True)
             self.reuses[layer].add_(1)
             return self._joint_attention(layer, query, scaling, lim, fresh=False)
         if self._folded_for != key:  # before any layer's recorded stats are replaced: every layer at the key's first
@@ -263,11 +272,11 @@ class FixedSets:
             c = self._causal_t = torch.full((q, q), float("-inf"), device=dev).triu(1).to(dtype)
         return c
 
-    def _joint_attention(self, layer: int, query: torch.Tensor, scaling: float, lim, fresh: bool, expanded=None) -> torch.Tensor:
+    def _joint_attention(self, layer: int, query: torch.Tensor, scaling: float, lim, fresh: bool, expanded=None, unmasked: bool = False) -> torch.Tensor:
         """One SDPA over a layer's resident buffer and its annex, under the set's mask: full-resolution tokens;
         coarse entries with +log n_i, hidden where the group expanded the span; the tail up to lim (the resident
         length after this forward; causal among its q new tokens); each group's filled annex rows.
-        fresh: build the mask (a fill); else unmask only the new token(s)."""
+        fresh: build the mask (a fill); else unmask only the new token(s) (unmasked: done already, for all layers)."""
         r = self.res.at_layer(layer)
         jk, jv = r.kv.jk[layer], r.kv.jv[layer]
         h, q = query.shape[1], query.shape[2]
@@ -304,7 +313,7 @@ class FixedSets:
             jk = jk.clone()
             jk[0, :, : r.n_base] = r.base_keys(layer, self.base_slots[layer])
         if torch.is_tensor(lim):  # one new token at lim - 1 (a device scalar: graphs)
-            if not fresh:
+            if not fresh and not unmasked:
                 mask.index_fill_(-1, (lim - 1).view(1), 0.0)
         elif not fresh:
             mask[..., lim - q : lim] = 0.0
