@@ -93,6 +93,12 @@ def test_staged_rows_skip_repeat_cancel_and_empty_plans(tiered, monkeypatch):
     assert torch.equal(k, want[-1][0]) and torch.equal(v, want[-1][1])
     _, k, v = staged.layer(0)  # asked again after its slot went on: read directly, the same rows
     assert torch.equal(k, want[0][0]) and torch.equal(v, want[0][1])
+    # the staging ended (settle: a step about to be captured) before the fill took every layer: the rest read directly
+    staged = tier.fetch(hit, row, shape.n_layers)
+    staged.layer(0)
+    tier.settle()
+    _, k, v = staged.layer(1)
+    assert torch.equal(k, want[1][0]) and torch.equal(v, want[1][1])
     # a plan replaced before its fill took every layer: its thread ends (no deadlock), the next plan reads right
     tier.fetch(hit, row, shape.n_layers)
     hit2, row2 = _plan_rows(tier, 50, seed=5)

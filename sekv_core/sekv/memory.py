@@ -259,6 +259,8 @@ class ZoomMemory(KVMemory):
         if getattr(self, "_warming", None) is not None:  # the blocks' thread ends (its kernels' warm-up) before a step
             self._warming.join()  # that may be captured: another thread's allocations or copies would break a capture
             self._warming = None
+        if self.res.zoom_tier is not None:  # so does the zoom tier's staging (done once the fill took every layer)
+            self.res.zoom_tier.settle()
         self.res.kv.static_begin()
         if self.ledger.stale:
             self._new_ask()

@@ -99,6 +99,7 @@ class ZoomTier:
         self._ring: _Ring | None = None
         self._staged: StagedRows | None = None
         self._worker = None
+        self._old: list = []
         #: the last fetch's parts of a question's time (host seconds) and bytes read: step_stats' first_token_parts
         self.last: dict = {}
         self.damaged: BaseException | None = None  # what the background check found
@@ -183,6 +184,12 @@ class ZoomTier:
         k, v = self._decode({p: t.to(dev) for p, t in parts.items()})
         return hit, k, v
 
+    def settle(self) -> None:
+        """End the staging thread's work (a step about to be captured in a CUDA graph: no other thread's copies beside
+        it).  A fill still to come for that plan reads its layer directly."""
+        if self._staged is not None:
+            self._staged.cancel()
+
     def worker(self):
         """The one thread that stages rows (:class:`StagedRows`), kept: a new thread a question would set up its own
         intra-op threads each time."""
@@ -202,6 +209,8 @@ class ZoomTier:
         m = row.numel()
         with torch.inference_mode():  # the ring's tensors are written by the thread: inference tensors, wherever made
             if self._ring is None or not self._ring.fits(m, self, row.device):
+                # a ring replaced is kept until its last copies ended (their host memory is read by the DMA)
+                self._old = [r for r in self._old + ([self._ring] if self._ring is not None else []) if not r.idle()]
                 self._ring = _Ring(m, self, row.device)
             self._staged = StagedRows(self, self._ring, hit, row, layers)
         return self._staged
@@ -264,8 +273,14 @@ class _Ring:
         self.dev = torch.empty(SLOTS, self.nbytes, dtype=torch.uint8, device=device)
         self.ids = fb.page_locked(m) if self.cuda else torch.empty(m, dtype=torch.int64)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        if self.cuda:  # written on the side stream: its memory is not reused before the stream's work on it ended
+            self.dev.record_stream(self.stream)
         self.copied: list = [None] * SLOTS
         self.used: list = [None] * SLOTS
+
+    def idle(self) -> bool:
+        """No copy from this ring still in flight."""
+        return all(e is None or e.query() for e in self.copied)
 
     def fits(self, m: int, tier: ZoomTier, device) -> bool:
         return m <= self.m and torch.device(device) == self.device
@@ -294,6 +309,8 @@ class StagedRows:
         self.ready = [threading.Event() for _ in range(layers)]
         self.done = [threading.Event() for _ in range(layers)]  # decoded (or skipped) by the fill
         self.events: list = [None] * layers
+        self.staged = [False] * layers  # copied to the device slot (a cancelled staging leaves the rest False)
+        self.owner: list = [None] * SLOTS  # the layer each slot holds now
         self.taken = 0  # layers below this were decoded or skipped
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -343,6 +360,8 @@ class StagedRows:
                     while not self.done[li - SLOTS].wait(0.05):
                         if self._stop.is_set():
                             return
+                if self._stop.is_set():  # (cancel() sets every done)
+                    return
                 if ring.cuda:
                     with torch.cuda.stream(ring.stream):
                         if ring.used[s] is not None:
@@ -354,6 +373,8 @@ class StagedRows:
                 else:
                     ring.dev[s].copy_(ring.host[s])
                 self.stats["tier_bytes"] += ring.nbytes
+                self.owner[s] = li
+                self.staged[li] = True
                 self.ready[li].set()
         except BaseException as e:  # noqa: BLE001 - raised by layer()
             self.error = e
@@ -373,6 +394,9 @@ class StagedRows:
         self.stats["tier_wait_s"] += time.perf_counter() - t
         if self.error is not None:
             raise self.error
+        if not self.staged[layer] or self.owner[layer % SLOTS] != layer:  # the staging ended first (settle): read it directly
+            self.done[layer].set()
+            return self.tier.rows(layer, self.hit, self.row)
         ring, s = self.ring, layer % SLOTS
         if ring.cuda:
             stream = torch.cuda.current_stream(ring.device)
