@@ -43,13 +43,13 @@ def old_rows(store, shape, layer: int, row: torch.Tensor) -> tuple[torch.Tensor,
     return got[:, : d * isz].contiguous().view(dt).to(shape.dtype), got[:, d * isz : 2 * d * isz].contiguous().view(dt).to(shape.dtype)
 
 
-def _plan_rows(tier: ZoomTier, m: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hit, row) of m random (group, token) pairs, some tokens not covered, some pairs not valid."""
+def _plan_rows(tier: ZoomTier, m: int, seed: int = 0, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(hit, row) of m random (group, token) pairs, some tokens not covered, some pairs not valid (on ``device``)."""
     g = torch.Generator().manual_seed(seed)
     n = int(tier.pos.max()) + 5
     token = torch.randint(0, n, (m,), generator=g)
     group = torch.randint(0, tier.shape.n_kv_heads, (m,), generator=g)
-    return tier.locate(group, token, torch.rand(m, generator=g) > 0.2)
+    return tier.locate(group.to(device), token.to(device), (torch.rand(m, generator=g) > 0.2).to(device))
 
 
 def _staged_here(monkeypatch, slots: int = 1) -> None:
@@ -203,7 +203,8 @@ def test_cuda_staged_rows_equal_the_host_rows(kind, monkeypatch):
     shape = res.shape
     tier = ZoomTier(store, set(store), shape, "cuda")
     for seed in (0, 1):
-        hit, row = _plan_rows(tier, 900, seed=seed)
+        hit, row = _plan_rows(tier, 900, seed=seed, device="cuda")
+        assert row.is_cuda
         want = [old_rows(store, shape, li, row.cpu()) for li in range(shape.n_layers)]
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -212,5 +213,6 @@ def test_cuda_staged_rows_equal_the_host_rows(kind, monkeypatch):
             got = [staged.layer(li) for li in range(shape.n_layers)]
         finally:
             torch.cuda.set_sync_debug_mode("default")
+        assert isinstance(staged, zoom_tier.StagedRows) and staged.stats["tier_bytes"] > 0
         for li, (h, k, v) in enumerate(got):
             assert k.is_cuda and torch.equal(k.cpu(), want[li][0]) and torch.equal(v.cpu(), want[li][1]), (seed, li)
