@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             t = time.perf_counter()
             tier = ZoomTier(pack, names, shape, dev)
             out["open_s"] = time.perf_counter() - t
-            tier._checked.wait()  # the sha256 check on its thread (from the open on; waited for here, not timed with the reads)
+            tier.check.done.wait()  # the sha256 check on its thread (from the open on; waited for here, not timed with the reads)
             out["check_s_all_layers"] = time.perf_counter() - t
             out["check_ok"] = tier.damaged is None
             hit, row = plan(tier, a.rows, a.block, dev)

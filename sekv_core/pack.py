@@ -347,10 +347,7 @@ class Pack:
         e = self.info(name)
         if e.end == e.start:
             return torch.empty(e.shape, dtype=e.dtype)
-        if self._map is None:
-            if self._file is None:
-                raise PackError(f"{self.path}: the pack is closed")
-            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        self._mapping()
         if e.end > len(self._map):
             raise PackError(f"{self.path}: the file is shorter than its header says; the pack is truncated, re-ingest the document")
         with warnings.catch_warnings():  # a read-only buffer: torch warns that writes would fail; nothing writes it
@@ -358,20 +355,30 @@ class Pack:
             raw = torch.frombuffer(self._map, dtype=torch.uint8, count=e.end - e.start, offset=e.start)
         return raw.view(e.dtype).reshape(e.shape)
 
+    def _mapping(self):
+        if self._map is None:
+            if self._file is None:
+                raise PackError(f"{self.path}: the pack is closed")
+            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        return self._map
+
     def check(self, name: str) -> None:
-        """Check a tensor's bytes against its sha256 without keeping them (:meth:`mapped`'s tensors); hashed on the
-        calling thread alone, a chunk at a time (a background check leaves the pool to the reads).  Raises PackError."""
+        """Check a tensor's bytes against its sha256 without keeping them (:meth:`mapped`'s tensors), read through
+        the file's map (so its pages are mapped for the reads that follow); hashed on the calling thread alone, a
+        chunk at a time (a background check leaves the pool to the reads).  Raises PackError."""
         e = self.info(name)
-        h = hashlib.sha256()
-        for a in range(e.start, e.end, _CHUNK):
-            try:
-                part = os.pread(self._file.fileno(), min(_CHUNK, e.end - a), a)
-            except (OSError, AttributeError) as err:
-                raise PackError(f"{self.path}: cannot read tensor '{name}' ({getattr(err, 'strerror', err)})") from None
-            if len(part) != min(_CHUNK, e.end - a):
+        if e.end == e.start:
+            ok = tensor_digest(b"") == e.sha256
+        else:
+            m = self._mapping()
+            if e.end > len(m):
                 raise PackError(f"{self.path}: the file is shorter than its header says; the pack is truncated, re-ingest the document")
-            h.update(_chunk_sha(part))
-        if (h.hexdigest() if e.end > e.start else tensor_digest(b"")) != e.sha256:
+            h = hashlib.sha256()
+            with memoryview(m) as mv:
+                for a in range(e.start, e.end, _CHUNK):
+                    h.update(_chunk_sha(mv[a : min(a + _CHUNK, e.end)]))
+            ok = h.hexdigest() == e.sha256
+        if not ok:
             raise PackError(f"{self.path}: checksum mismatch in tensor '{name}': the pack is damaged; re-ingest the document")
 
     def size_bytes(self) -> int:

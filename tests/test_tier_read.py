@@ -172,7 +172,7 @@ def test_a_pack_file_is_read_through_its_map_and_checked_on_the_side(lm, tmp_pat
     rp = read_pack(pack)
     names = set(rp.keys())
     tier = ZoomTier(rp, names, shape, "cpu")
-    assert tier._checked.wait(30) and tier.damaged is None
+    assert tier.check.done.wait(30) and tier.damaged is None
     assert not any(n.startswith("sekv.zoom.") and n != "sekv.zoom.idx" for n in rp._cache)  # the rows came from the map
     ref = Store({n: rp.get(n) for n in names})  # read whole and checked
     hit, row = _plan_rows(tier, 400, seed=2)
@@ -186,8 +186,11 @@ def test_a_pack_file_is_read_through_its_map_and_checked_on_the_side(lm, tmp_pat
     raw[e.start + 3] ^= 0x41
     pack.write_bytes(bytes(raw))
     rp = read_pack(pack)
+    SEKV.start_open(rp, shape, rp.n_tokens(), "cpu")  # a session starts the check before the model loads
+    early = zoom_tier._EARLY[id(rp)][1]
     tier = ZoomTier(rp, names, shape, "cpu")
-    assert tier._checked.wait(30)
+    assert tier.check is early and id(rp) not in zoom_tier._EARLY  # taken up by the open
+    assert tier.check.done.wait(30)
     with pytest.raises(PackError, match="checksum mismatch in tensor 'sekv.zoom.v.1'"):
         tier.rows(0, hit, row)
     rp.close()

@@ -77,8 +77,9 @@ class ZoomTier:
 
     The tier stays in the pack file: each layer's parts are tensors over the file's memory map (``Pack.mapped``;
     a store without one, its tensors in memory), and a read gathers only the rows asked for, on the host.  Nothing
-    is read or page-locked up front; the tier's sha256s are checked on a thread of their own from the open on
-    (:meth:`_check_all`: a mismatch is raised by the next read; rows read before their layer's check are unchecked).
+    is read or page-locked up front; the tier's sha256s are checked on a thread of their own (:class:`TierCheck`,
+    from before the model load in a session: a mismatch is raised by the next read; rows read before their layer's
+    check are unchecked).
 
     A fixed set (sekv/fixed_set.py) asks for the same rows in every layer: :meth:`fetch` gathers them for all layers
     on a thread into a small page-locked ring and copies them to the device a layer at a time (:class:`StagedRows`),
@@ -102,12 +103,10 @@ class ZoomTier:
         self._old: list = []
         #: the last fetch's parts of a question's time (host seconds) and bytes read: step_stats' first_token_parts
         self.last: dict = {}
-        self.damaged: BaseException | None = None  # what the background check found
-        self._checked = threading.Event()
-        if self.P and hasattr(store, "check") and hasattr(store, "mapped"):
-            threading.Thread(target=self._check_all, name="sekv-tier-check", daemon=True).start()
-        else:  # tensors read whole (checked) by store.get
-            self._checked.set()
+        #: the sha256 check of the tier's tensors on a thread (started before the model load where the session could:
+        #: start_check), None where the store reads tensors whole and checked (store.get)
+        early = _EARLY.pop(id(store), None)
+        self.check = early[1] if early is not None and early[0] is store else TierCheck.of(store, shape.n_layers) if self.P else None
 
     @classmethod
     def of(cls, store, names: set[str], shape, device) -> "ZoomTier | None":
@@ -131,15 +130,10 @@ class ZoomTier:
                 got = self._parts.setdefault(layer, got)
         return got
 
-    def _check_all(self) -> None:
-        try:
-            for li in range(self.shape.n_layers):
-                for name in self._names(li).values():
-                    self.store.check(name)
-        except Exception as e:  # noqa: BLE001 - a damaged (or closed) pack: raised by the next read
-            self.damaged = e
-        finally:
-            self._checked.set()
+    @property
+    def damaged(self) -> BaseException | None:
+        """What the check found wrong so far (None: nothing, or no check)."""
+        return None if self.check is None else self.check.error
 
     def _gather(self, layer: int, idx: torch.Tensor, out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The rows idx [M] (host, int64) of a layer's parts, on the host (into ``out``'s tensors where given)."""
@@ -214,6 +208,47 @@ class ZoomTier:
                 self._ring = _Ring(m, self, row.device)
             self._staged = StagedRows(self, self._ring, hit, row, layers)
         return self._staged
+
+
+class TierCheck:
+    """The tier's tensors checked against their sha256s on a thread, a layer after another (``Pack.check``, through
+    the file's map: the pages a question's gather reads are mapped by then).  ``done`` is set at the end; ``error``
+    holds what was found (a damaged or closed pack), raised by the tier's next read."""
+
+    def __init__(self, store, names: list[str]):
+        self.store, self.names = store, names
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        threading.Thread(target=self._run, name="sekv-tier-check", daemon=True).start()
+
+    @classmethod
+    def of(cls, store, n_layers: int) -> "TierCheck | None":
+        """A check of the store's tier, where it has one and reads tensors unchecked through a map (Pack)."""
+        names = set(store.keys())
+        if "sekv.zoom.idx" not in names or not (hasattr(store, "check") and hasattr(store, "mapped")):
+            return None
+        return cls(store, [n for li in range(n_layers) for p in LAYER_PARTS if (n := f"sekv.zoom.{p}.{li}") in names])
+
+    def _run(self) -> None:
+        try:
+            for name in self.names:
+                self.store.check(name)
+        except Exception as e:  # noqa: BLE001 - raised by the next read
+            self.error = e
+        finally:
+            self.done.set()
+
+
+#: checks started before a memory opens (start_check), by id(store): (the store, its check)
+_EARLY: dict[int, tuple[object, TierCheck]] = {}
+
+
+def start_check(store, n_layers: int) -> None:
+    """The tier's check of a pack about to be opened, from now (in `sekv ask` / `chat`: while the model loads);
+    the ZoomTier opened on the same store takes it up."""
+    check = TierCheck.of(store, n_layers)
+    if check is not None:
+        _EARLY[id(store)] = (store, check)
 
 
 class _Worker:
