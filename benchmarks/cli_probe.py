@@ -18,7 +18,8 @@ timers, synchronising CUDA at their ends, and writes one JSON record to $SEKV_PR
 
 $SEKV_PROBE_WARM=0: no warm-up of the question's kernels on the factor blocks' thread (sekv/gpu_step.py
 WARM_KERNELS; default on), to compare.  $SEKV_PROBE_FIXED_SDPA=gqa|packed|math: how sekv's fixed sets make their SDPA call (sekv/fixed_set.py
-SDPA_LAYOUT; default gqa), to compare the kernels the device picks.  $SEKV_PROBE_PROFILE=PATH: the whole CLI under cProfile (PATH.prof, and PATH.txt: the top functions by
+SDPA_LAYOUT; default gqa), to compare the kernels the device picks; $SEKV_PROBE_FILL_SDPA: the same for the question's
+forward alone (FILL_SDPA_LAYOUT: cuDNN's plan is built per question length).  $SEKV_PROBE_PROFILE=PATH: the whole CLI under cProfile (PATH.prof, and PATH.txt: the top functions by
 cumulative time).  $SEKV_PROBE_TORCH=PATH: each ask under torch.profiler (PATH.txt: operators by CUDA and by CPU
 time).  $SEKV_PROBE_TORCH_TABLE=FILE: the first $SEKV_PROBE_TORCH_ASKS (default 2) asks under torch.profiler, a
 compact table each appended to FILE (:func:`compact_table`), headed by $SEKV_PROBE_LABEL.  Timers synchronise the
@@ -138,6 +139,10 @@ def _install() -> None:
         import sekv_core.sekv.fixed_set as fixed_set
 
         fixed_set.SDPA_LAYOUT = RECORD["fixed_sdpa"] = os.environ["SEKV_PROBE_FIXED_SDPA"]
+    if os.environ.get("SEKV_PROBE_FILL_SDPA"):  # the same for the question's forward only (fixed_set.FILL_SDPA_LAYOUT)
+        import sekv_core.sekv.fixed_set as fixed_set
+
+        fixed_set.FILL_SDPA_LAYOUT = RECORD["fill_sdpa"] = os.environ["SEKV_PROBE_FILL_SDPA"]
 
     def note_ingest(r) -> None:
         RECORD["ingest"] = {k: getattr(r, k) for k in ("n_tokens", "prefill_s", "compress_s", "write_s", "total_s", "pack_bytes", "raw_kv_fp16_bytes", "after_prefill_s", "written_in_prefill", "pipelined") if hasattr(r, k)}
@@ -220,6 +225,8 @@ def _install() -> None:
                 "captures": PHASES.get("graph_capture", {}).get("n", 0) - caps0,
                 "stats": st,
                 "extra": {k: v for k, v in extra.items() if isinstance(v, (int, float, str, bool))},
+                # sekv: host seconds of the way to the first token, by part (ZoomMemory.first_token_parts)
+                "first_token_parts": extra.get("first_token_parts") or {},
             }
         )
         return ans

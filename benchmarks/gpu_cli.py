@@ -258,6 +258,7 @@ def summarize(rec: dict) -> dict:
         "blocks_kept_layers": (ap.get("blocks_kept") or {}).get("layers"),
         "blocks_kept_gib": (ap.get("blocks_kept") or {}).get("bytes", 0) / GIB,
         "fixed_sdpa": ap.get("fixed_sdpa", "gqa"),  # $SEKV_PROBE_FIXED_SDPA
+        "fill_sdpa": ap.get("fill_sdpa"),  # $SEKV_PROBE_FILL_SDPA (None: as fixed_sdpa)
         "warm_kernels": ap.get("warm_kernels"),  # $SEKV_PROBE_WARM
         "ttft_s": st.get("ttft_s", (js.get("timings") or {}).get("ttft_s")),
         "tok_per_s": st.get("tokens_per_s", (js.get("timings") or {}).get("tokens_per_s")),
@@ -278,6 +279,9 @@ def summarize(rec: dict) -> dict:
         "chat_first_forward_s": [round(x["stats"].get("first_forward_s") or 0, 3) for x in chat_asks],
         "chat_wait_s": [round(x.get("blocks_wait_s") or 0, 3) for x in chat_asks],
         "chat_capture_s": [round(x.get("capture_s") or 0, 3) for x in chat_asks],
+        # sekv: each question's host seconds by part (scout forward / scoring, the fills' plan / fill / attention, the
+        # zoom tier's row ids, gather and waits): what the first forward's launches waited for
+        "chat_first_token_parts": [x.get("first_token_parts") or {} for x in chat_asks],
         "skipped": rec.get("skipped"),
     }
 

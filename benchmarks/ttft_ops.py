@@ -193,7 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     s = Session.open(a.pack, model=a.model, device="cpu")
     mem = s.memory
     if hasattr(mem, "batched"):
+        from sekv_core.sekv import zoom_tier
+
         mem.batched = True  # the accelerator's step, run on the CPU
+        zoom_tier.STAGED_ON = {"cpu", "cuda"}  # and the zoom tier's rows staged as there (sekv/zoom_tier.py StagedRows)
     results = []
     for k in range(a.asks):
         phases: dict[str, dict] = {}
@@ -231,7 +234,10 @@ def main(argv: list[str] | None = None) -> int:
             ans = s.ask(a.question, max_new_tokens=2, on_step=first)
         finally:
             del mem.prepare_question
-        results.append({"ask": k + 1, "answer": ans.text, "phases": phases})
+        parts = (ans.stats.extra or {}).get("first_token_parts") or {}
+        results.append({"ask": k + 1, "answer": ans.text, "phases": phases, "first_token_parts": parts})
+        if parts:
+            print(f"ask {k + 1} host seconds by part: " + ", ".join(f"{n} {v:.4f}" if isinstance(v, float) else f"{n} {v}" for n, v in parts.items()))
         for name, ph in phases.items():
             if a.syncs:
                 print(f"ask {k + 1} {name:14s} calls that sync on CUDA {ph['syncs']:5d} (and {ph['maybe']} maybe)  {ph['s']:.3f} s")

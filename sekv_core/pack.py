@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 import os
 import re
 import shutil
@@ -31,6 +32,7 @@ import stat
 import struct
 import tempfile
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -578,6 +580,7 @@ class Pack:
     _file: Any = None
     _cache: dict[str, torch.Tensor] = field(default_factory=dict)
     file_bytes: int = 0
+    _map: Any = None  # the file's memory map, made by the first mapped()
 
     @property
     def method(self) -> str:
@@ -629,10 +632,57 @@ class Pack:
             self._cache[name] = t
         return t
 
+    def mapped(self, name: str) -> torch.Tensor:
+        """The tensor over the pack file's memory map, NOT checked against its sha256 (:meth:`check` does that): what
+        the ask reads a few rows of (the zoom tier, sekv/zoom_tier.py), so that nothing reads the whole tensor first.
+        Read-only: the map is the file's pages."""
+        e = self.info(name)
+        if e.end == e.start:
+            return torch.empty(e.shape, dtype=e.dtype)
+        self._mapping()
+        if e.end > len(self._map):
+            raise PackError(f"{self.path}: the file is shorter than its header says; the pack is truncated, re-ingest the document")
+        with warnings.catch_warnings():  # a read-only buffer: torch warns that writes would fail; nothing writes it
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(self._map, dtype=torch.uint8, count=e.end - e.start, offset=e.start)
+        return raw.view(e.dtype).reshape(e.shape)
+
+    def _mapping(self):
+        if self._map is None:
+            if self._file is None:
+                raise PackError(f"{self.path}: the pack is closed")
+            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        return self._map
+
+    def check(self, name: str) -> None:
+        """Check a tensor's bytes against its sha256 without keeping them (:meth:`mapped`'s tensors), read through
+        the file's map (so its pages are mapped for the reads that follow); hashed on the calling thread alone, a
+        chunk at a time (a background check leaves the pool to the reads).  Raises PackError."""
+        e = self.info(name)
+        if e.end == e.start:
+            ok = tensor_digest(b"") == e.sha256
+        else:
+            m = self._mapping()
+            if e.end > len(m):
+                raise PackError(f"{self.path}: the file is shorter than its header says; the pack is truncated, re-ingest the document")
+            h = hashlib.sha256()
+            with memoryview(m) as mv:
+                for a in range(e.start, e.end, _CHUNK):
+                    h.update(_chunk_sha(mv[a : min(a + _CHUNK, e.end)]))
+            ok = h.hexdigest() == e.sha256
+        if not ok:
+            raise PackError(f"{self.path}: checksum mismatch in tensor '{name}': the pack is damaged; re-ingest the document")
+
     def size_bytes(self) -> int:
         return self.file_bytes
 
     def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # tensors still view it: the map goes with the last of them
+                pass
+            self._map = None
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -62,11 +62,16 @@ def _scout_and_first_logits(model, mem, q) -> torch.Tensor:
         return model.get_output_embeddings()(hidden[:, -1]).argmax(-1)
 
 
-def test_scout_and_first_forward_make_no_sync_on_the_batched_step():
+@pytest.mark.parametrize("tier", ["factors", "int8"])
+def test_scout_and_first_forward_make_no_sync_on_the_batched_step(tier, monkeypatch):
     """The batched step run on the CPU: the second question's scout pass and first forward make no call that would
     wait on CUDA (the transformers mask code's packed-sequence check included: sekv registers no mask function); the
-    first question only reads the host's span tables once (made on the host, sent without a sync)."""
-    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.3, min_span=10, window=16)
+    first question only reads the host's span tables once (made on the host, sent without a sync).  With a zoom
+    tier, its rows staged as on CUDA (the plan's row ids copied to the host without a sync, sekv/zoom_tier.py)."""
+    from sekv_core.sekv import zoom_tier
+
+    monkeypatch.setattr(zoom_tier, "STAGED_ON", {"cpu", "cuda"})
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.3, min_span=10, window=16, zoom_tier=tier)
     mem.batched = True
     q = torch.tensor([QUESTION])
     mem._step()  # the factor blocks (CUDA: built on a second thread from the open)
@@ -105,12 +110,15 @@ def _cuda_syncs(fn) -> list[str]:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("routing", ["scout", "per_layer"])
-def test_cuda_scout_and_first_forward_read_nothing_back(routing):
+@pytest.mark.parametrize("routing,tier", [("scout", "factors"), ("per_layer", "factors"), ("scout", "int8"), ("scout", "exact")])
+def test_cuda_scout_and_first_forward_read_nothing_back(routing, tier):
     """On CUDA, a question's scout pass, the fixed sets' fill (or the per-layer routing) and the answer's first forward
     to its first token's logits make no host sync, on the first question of an opened pack (its factor blocks built)
-    and on the next; the answer's first token is the CPU's batched step's."""
-    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.3, min_span=10, window=16, routing=routing)
+    and on the next; the answer's first token is the CPU's batched step's.  With a zoom tier the fill's rows are
+    gathered on the host: the plan's row ids reach it by a non-blocking copy that the staging thread waits for
+    (sekv/zoom_tier.py StagedRows), so the question's thread makes no sync there either.  (Per-layer routing outside
+    a scout pass reads a tier with one sync a layer, ZoomTier.rows: not tested here.)"""
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.3, min_span=10, window=16, routing=routing, zoom_tier=tier)
     gmodel = tiny("qwen2").cuda()
     gmodel.load_state_dict(model.state_dict())
     runtime.install(gmodel)
@@ -339,3 +347,32 @@ def test_single_token_steps_wait_for_the_blocks_thread():
     mem._blocks = build = gpu_step.BlockBuild(mem.res)
     generate(model, mem, QUESTION, max_new_tokens=3, stop_ids=set(), graphs=True)
     assert mem._warming is None and not build._thread.is_alive()
+
+
+@pytest.mark.parametrize("how", ["gqa", "math"])
+def test_the_question_forwards_sdpa_layouts_are_one_attention(how, monkeypatch):
+    """fixed_set.FILL_SDPA_LAYOUT (the question's forward only, default packed: cuDNN builds a plan per question
+    length) gives the logits of the other layouts; a single-token step keeps SDPA_LAYOUT."""
+    from sekv_core.sekv import fixed_set
+
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.3, min_span=10, window=16)
+    mem.batched = True
+    q = torch.tensor([QUESTION])
+    packed = []
+    grouped = fixed_set.grouped_attention
+    monkeypatch.setattr(fixed_set, "grouped_attention", lambda *a: packed.append(a[0].shape[2]) or grouped(*a))
+
+    def question():
+        mem.truncate(mem.res.n_doc)
+        mem.prepare_question(lambda: runtime.forward_hidden(model, q, mem.n_tokens(), mem))
+        return runtime.forward_logits(model, q, mem.n_tokens(), mem, last_only=False)
+
+    a = question()
+    assert packed and set(packed) == {q.shape[1]}  # the question's forward, every layer
+    packed.clear()
+    runtime.forward_logits(model, a[:, -1:].argmax(-1), mem.n_tokens(), mem)
+    assert not packed  # a single-token step: SDPA_LAYOUT
+    monkeypatch.setattr(fixed_set, "FILL_SDPA_LAYOUT", how)
+    b = question()
+    assert not packed
+    assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()

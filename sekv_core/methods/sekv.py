@@ -67,8 +67,9 @@ class SekvMethod(CacheMethod):
 
     def start_open(self, store: TensorStore, shape: ModelShape, n_tokens: int, device) -> None:
         """On an accelerator, the batched step's factor blocks, built while the model loads (sekv/gpu_step.py
-        start_blocks): open() takes them up instead of starting the build."""
+        start_blocks), and the zoom tier's check: open() takes them up instead of starting them."""
         gpu_step.start_blocks(store, shape, n_tokens, device)
+        zoom_tier.start_check(store, shape.n_layers)  # the zoom tier's sha256s, on a thread of its own (sekv/zoom_tier.py)
 
     def validate(self, store: TensorStore, params: SekvParams, shape: ModelShape, n_tokens: int) -> None:
         layout.validate(store, shape, n_tokens)

@@ -108,7 +108,9 @@ class CpuStep:
         rows = fz.expand(dev, d, torch.float32)  # [2E, n_max, d]
         e = g.numel()
         idev = i.to(r.device)
-        if r.zoom_tier is not None:  # the pack's zoom tier: the covered tokens' own K / V replace the rebuilt rows
+        scouting = self.ranking is not None and self.ranking.scouting
+        if r.zoom_tier is not None and not scouting:  # the pack's zoom tier: the covered tokens' own K / V replace the
+            # rebuilt rows (not in the scout pass, which ranks by the factors, as the batched step's)
             n_max = rows.shape[1]
             j = torch.arange(n_max, device=r.device).view(1, -1)
             tok = (r.block_start_dev[idev].view(-1, 1) + j).expand(e, n_max)

@@ -12,6 +12,8 @@ PCIe.  A reused forward counts the stats its fill recorded (folded into the ledg
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +31,15 @@ from .scout import Ranking
 #: with one thread block per KV head and query tile: little parallelism for one token over a long memory);
 #: "math", the math kernel forced.  All three are the same attention (tests).
 SDPA_LAYOUT = "gqa"
+#: the same for a forward of several tokens (the question's, which fills the sets), None: SDPA_LAYOUT.  cuDNN builds
+#: its plan per new shape (tens to hundreds of ms, more where a kernel variant is compiled: docs/gpu.md, "The zoom
+#: tier's read"), and every question has its own length; "packed" takes the memory-efficient kernel, which has no
+#: plan.  benchmarks/cli_probe.py sets it from $SEKV_PROBE_FILL_SDPA, to compare on a device
+FILL_SDPA_LAYOUT: str | None = "packed"
+
+#: the host's seconds in a fill's parts, summed over layers: the plan (made by the first layer), the fetch and
+#: rebuild (the tier's rows waited for included), the attention of the forward that filled (its masks, the SDPA call)
+HOST_TIMES = ("plan_s", "fill_s", "fill_attention_s")
 
 
 class FixedSets:
@@ -53,6 +64,8 @@ class FixedSets:
         self.rate = torch.zeros(L, dtype=torch.float64, device=dev)
         #: one device: every layer's block table [L, Hkv * S] (the batched step stacks them), else None
         self.last_all: torch.Tensor | None = None
+        #: host seconds of this ask's fills (HOST_TIMES): where a first forward's launches wait (step_stats' first_token_parts)
+        self.host_s = dict.fromkeys(HOST_TIMES, 0.0)
 
     def key(self, u: int):
         """Identity of this forward's kept set when it cannot depend on the query (under a ranking), else None:
@@ -100,6 +113,7 @@ class FixedSets:
     def reset_stats(self) -> None:
         for t in (self.reuses, self.spans, self.counts, self.rate):
             t.zero_()
+        self.host_s = dict.fromkeys(HOST_TIMES, 0.0)
 
     def _fold(self, layer: int | None = None) -> None:
         """Add the reuses counted (all layers, or one) to the ledger: each is one forward of the recorded stats."""
@@ -134,8 +148,11 @@ class FixedSets:
         if self._folded_for != key:  # before any layer's recorded stats are replaced: every layer at the key's first
             self._fold()  # fill, one fold for all (a layer that fills later for this key cannot have been reused since)
             self._folded_for = key
+        t0 = time.perf_counter()
         plan = self._plan(r, key, r.kv.annex_kv(layer)[0].shape[-2], query.shape[1])
+        t1 = time.perf_counter()
         words = self._fill(r, layer, plan)
+        t2 = time.perf_counter()
         spans, counts, rate = plan["stats"]
         one = not self.res.split
         if not one:
@@ -153,6 +170,10 @@ class FixedSets:
             plan["written"] = True
         self.filled_for[layer] = key
         out = self._joint_attention(layer, query, scaling, lim, fresh=True, expanded=plan["expanded"])
+        h = self.host_s
+        h["plan_s"] += t1 - t0
+        h["fill_s"] += t2 - t1
+        h["fill_attention_s"] += time.perf_counter() - t2
         if one:  # the stats of the layers that filled it counted together when the plan is done with (_count_filled)
             plan.setdefault("filled", []).append(layer)
             if words is not None:
@@ -215,6 +236,8 @@ class FixedSets:
         plan["src_row"] = torch.where(ok_t, r.block_off_dev[blk] + j_of, torch.zeros_like(t)).flatten()
         if r.zoom_tier is not None:  # each row's (group, document token): the pack's zoom tier replaces covered rows
             plan["tier_rows"] = r.zoom_tier.locate(grp.expand(-1, ug).flatten(), (r.block_start_dev[blk] + j_of).flatten(), ok_t.flatten())  # once for all layers
+            # one device: every layer's rows gathered on the host and sent from now on (sekv/zoom_tier.py StagedRows)
+            plan["tier"] = r.zoom_tier.fetch(*plan["tier_rows"], len(self.filled_for)) if not self.res.split else None
         if r.layout is None:
             start = r.block_start_dev[blk]
         else:  # re-positioned (sekv/positions.py): the set's slots, fixed while it is
@@ -252,7 +275,8 @@ class FixedSets:
         krows = rec.index_select(0, src[0])
         vrows = rec.index_select(0, src[1])
         if r.zoom_tier is not None:  # the pack's zoom tier replaces the rows it covers (sekv/zoom_tier.py)
-            hit, tk, tv = r.zoom_tier.rows(layer, *plan["tier_rows"])
+            staged = plan.get("tier")
+            hit, tk, tv = staged.layer(layer) if staged is not None else r.zoom_tier.rows(layer, *plan["tier_rows"])
             krows = torch.where(hit.view(-1, 1), tk.to(krows.dtype), krows)
             vrows = torch.where(hit.view(-1, 1), tv.to(vrows.dtype), vrows)
         if r.pre_rope:
@@ -327,9 +351,10 @@ class FixedSets:
                 if shared:
                     plan["causal_mask"] = held
             mask = held[1]
-        if SDPA_LAYOUT == "packed":
+        how = FILL_SDPA_LAYOUT if q > 1 and FILL_SDPA_LAYOUT is not None else SDPA_LAYOUT
+        if how == "packed":
             return grouped_attention(query, jk, jv, mask, scaling)
-        if SDPA_LAYOUT == "math":
+        if how == "math":
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             with sdpa_kernel(SDPBackend.MATH):

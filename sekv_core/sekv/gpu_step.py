@@ -434,7 +434,8 @@ class BatchedStep:
         src = torch.where(slot_ok.view(-1), torch.add(j_of, p_of, alpha=2 * b.n_max), 0)  # its K row in rec (V: n_max on)
         kx = rec.index_select(0, src)
         vx = rec.index_select(0, src + b.n_max)
-        if r.zoom_tier is not None:  # the pack's zoom tier replaces the rows it covers (sekv/zoom_tier.py)
+        if r.zoom_tier is not None and counted:  # the pack's zoom tier replaces the rows it covers (sekv/zoom_tier.py);
+            # not in the scout pass, which ranks by the factors (its rows are per layer: each read would wait for the device)
             hit, tk, tv = r.zoom_tier.lookup(layer, g[p_of], r.span_start_dev[i][p_of] + j_of, slot_ok.view(-1))
             kx = torch.where(hit.view(-1, 1), tk.to(kx.dtype), kx)
             vx = torch.where(hit.view(-1, 1), tv.to(vx.dtype), vx)

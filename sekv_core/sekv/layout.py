@@ -187,7 +187,7 @@ def validate(store, shape, n_tokens: int, factors_only: bool = False) -> None:
             raise _bad("tensor 'sekv.zoom.idx' does not cover the spans' tokens")
         int8 = "sekv.zoom.ks.0" in names
         check_tensors(store, [
-            T("sekv.zoom.k.{l}", ("int8",) if int8 else FLOATS, ("Hkv", "P", "d")),  # not read at open: its sha256 when first zoomed
+            T("sekv.zoom.k.{l}", ("int8",) if int8 else FLOATS, ("Hkv", "P", "d")),  # not read at open: its sha256 checked on a thread (sekv/zoom_tier.py)
             T("sekv.zoom.v.{l}", ("int8",) if int8 else FLOATS, ("Hkv", "P", "d")),
             *((T("sekv.zoom.ks.{l}", ("float16",), ("Hkv", "P"), finite=True), T("sekv.zoom.vs.{l}", ("float16",), ("Hkv", "P"), finite=True)) if int8 else ()),
         ], {**dims, "Hkv": hkv, "d": d}, L)

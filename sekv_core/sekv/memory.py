@@ -11,6 +11,8 @@ resident KV, coarse entries, zoom buffers and factor blocks' tables are then on 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..methods.base import KVMemory, ModelShape, StepStats
@@ -148,7 +150,21 @@ class ZoomMemory(KVMemory):
         order = self.ranking.span_order(self.res.block_span, self.res.n_spans) if ranked else []
         resident = self.ledger.resident if self.ledger.steps else self.resident_bytes()
         kept = self.pinning.device_bytes() if self.pinning is not None else 0  # factor blocks not moved to host memory yet
-        return StepStats(resident_bytes=int(resident), extra={**self.ledger.stats(), "span_order": order, "blocks_on_device_bytes": kept})
+        return StepStats(resident_bytes=int(resident), extra={**self.ledger.stats(), "span_order": order, "blocks_on_device_bytes": kept,
+                                                              "first_token_parts": self.first_token_parts()})
+
+    def first_token_parts(self) -> dict:
+        """Host seconds of this ask's way to its first token, by part (where a launch waited shows): the scout pass's
+        forward and scoring, the fixed sets' plan, fill and filling forward's attention (sekv/fixed_set.py HOST_TIMES),
+        and the zoom tier's rows (sekv/zoom_tier.py StagedRows: the wait for the row ids, the host gather, the fills'
+        waits, bytes sent).  On CUDA the launches run ahead of the device: compare with DecodeStats' event times."""
+        out = dict(getattr(self, "_scout_host", {}))
+        fixed = getattr(self.step, "fixed", None)
+        if fixed is not None:
+            out.update(fixed.host_s)
+        if self.res.zoom_tier is not None:
+            out.update(self.res.zoom_tier.last)
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in out.items()}
 
     def resident_now(self) -> int:
         return int(self.ledger.resident if self.ledger.steps else self.resident_bytes())  # as step_stats(), no stats
@@ -163,6 +179,8 @@ class ZoomMemory(KVMemory):
 
     def _new_ask(self) -> None:
         self.ledger.reset()
+        if self.res.zoom_tier is not None:
+            self.res.zoom_tier.last = {}
         if self.ranking is not None:
             self.ranking.new_ask()
         if self.step is not None:
@@ -186,12 +204,15 @@ class ZoomMemory(KVMemory):
         self.ranking.begin_pass()
         self._scouted = []
         try:
+            t0 = time.perf_counter()
             forward()
+            t1 = time.perf_counter()
             if self._scouted:  # the batched step scores every layer's blocks at once, after the forward
                 qs, exact, scaling = zip(*self._scouted)
                 self.ranking.add_masses(self.step.scout_masses(list(qs), list(exact), scaling[0]))
                 if self.pinning is not None:
                     self.pinning.touch()
+            self._scout_host = {"scout_forward_s": t1 - t0, "scout_score_s": time.perf_counter() - t1}
             self.ranking.finish_pass(self.res.scout_profile, self.params.profile_weight, lex, self.params.lexical_weight)
             prior.add_to(self.ranking.prio, self.prior, self.params.prior_weight)
         finally:
@@ -238,6 +259,8 @@ class ZoomMemory(KVMemory):
         if getattr(self, "_warming", None) is not None:  # the blocks' thread ends (its kernels' warm-up) before a step
             self._warming.join()  # that may be captured: another thread's allocations or copies would break a capture
             self._warming = None
+        if self.res.zoom_tier is not None:  # so does the zoom tier's staging (done once the fill took every layer)
+            self.res.zoom_tier.settle()
         self.res.kv.static_begin()
         if self.ledger.stale:
             self._new_ask()

@@ -15,10 +15,15 @@ token); per layer zoom.k.l / zoom.v.l [Hkv, P, d] (pre-RoPE keys where the pack'
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
+import weakref
+
 import torch
 
 from ..chunk_stream import ChunkStream
-from .blocks import device_view
+from . import blocks as fb
 
 TIERS = ("factors", "int8", "exact")
 
@@ -60,15 +65,27 @@ def window_tensors(kind: str, k: torch.Tensor, v: torch.Tensor, pos: torch.Tenso
 
 LAYER_PARTS = ("k", "ks", "v", "vs")
 
+#: devices where a fixed set's tier rows are staged (:class:`StagedRows`: gathered on the host on a thread, a few
+#: layers in flight); elsewhere :meth:`ZoomTier.rows` reads a layer's rows when its fill asks (tests add "cpu" to run
+#: the staging on the CPU)
+STAGED_ON = {"cuda"}
+#: layers of rows between the host's gather and the device's fill (the ring's slots)
+SLOTS = 4
+
 
 class ZoomTier:
     """An opened pack's tier: ``lookup(layer, group, token, valid)`` gives the rows of covered tokens.
 
-    A layer's rows are read from the store when first needed and kept on the host as one table [Hkv * P, row] of
-    int64 words (K and V side by side, the scales after them where int8); on CUDA the table is pinned and read through
-    its device alias (sekv/blocks.py device_view: a gather over PCIe of the rows asked for, no host sync), else
-    moved to the device once per layer (that costs device memory the ledger does not count; only without UVA).  On
-    CUDA the tables are made on a second thread from the open on, so the first question seldom waits for them."""
+    The tier stays in the pack file: each layer's parts are tensors over the file's memory map (``Pack.mapped``;
+    a store without one, its tensors in memory), and a read gathers only the rows asked for, on the host.  Nothing
+    is read or page-locked up front; the tier's sha256s are checked on a thread of their own (:class:`TierCheck`,
+    from before the model load in a session: a mismatch is raised by the next read; rows read before their layer's
+    check are unchecked).
+
+    A fixed set (sekv/fixed_set.py) asks for the same rows in every layer: :meth:`fetch` gathers them for all layers
+    on a thread into a small page-locked ring and copies them to the device a layer at a time (:class:`StagedRows`),
+    the plan's row ids copied to the host once (non-blocking, the thread waits for them).  :meth:`rows` reads one
+    layer's at once (per-layer routing, the CPU): on an accelerator its row ids' copy to the host is a sync."""
 
     def __init__(self, store, names: set[str], shape, device):
         self.store, self.names, self.shape = store, names, shape
@@ -77,15 +94,20 @@ class ZoomTier:
         self.P = int(self.pos.numel())
         self.pos_dev = self.pos.to(self.device)
         self.int8 = "sekv.zoom.ks.0" in names
-        self.dtype = shape.dtype if self.int8 else store.get("sekv.zoom.k.0").dtype if self.P else shape.dtype
-        self._tables: dict = {}
-        self._ahead = None
-        if self.device.type == "cuda" and self.P:  # read and pin every layer's table on a second thread from the open on
-            from concurrent.futures import ThreadPoolExecutor
-
-            pool = ThreadPoolExecutor(1)
-            self._ahead = {li: pool.submit(self._table, li, self.device) for li in range(shape.n_layers)}
-            pool.shutdown(wait=False)
+        self._parts: dict[int, dict[str, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.dtype = shape.dtype if self.int8 or not self.P else self._layer(0)["k"].dtype
+        self.code_dtype = torch.int8 if self.int8 else self.dtype  # what the pack holds of K and V
+        self._ring: _Ring | None = None
+        self._staged: StagedRows | None = None
+        self._worker = None
+        self._old: list = []
+        #: the last fetch's parts of a question's time (host seconds) and bytes read: step_stats' first_token_parts
+        self.last: dict = {}
+        #: the sha256 check of the tier's tensors on a thread (started before the model load where the session could:
+        #: start_check), None where the store reads tensors whole and checked (store.get)
+        early = _EARLY.pop(id(store), None)
+        self.check = early[1] if early is not None and early[0] is store else TierCheck.of(store, shape.n_layers) if self.P else None
 
     @classmethod
     def of(cls, store, names: set[str], shape, device) -> "ZoomTier | None":
@@ -93,44 +115,45 @@ class ZoomTier:
 
     def nbytes(self) -> int:
         """Host bytes of the whole tier (what the pack stores)."""
-        n = 0
-        for li in range(self.shape.n_layers):
-            for p in LAYER_PARTS:
-                name = f"sekv.zoom.{p}.{li}"
-                if name in self.names:
-                    t = self.store.get(name)
-                    n += t.numel() * t.element_size()
-        return n
+        return sum(t.numel() * t.element_size() for li in range(self.shape.n_layers) for t in self._layer(li).values())
 
-    def _table(self, layer: int, device: torch.device):
-        key = (layer, device)
-        t = self._tables.get(key)
-        if t is not None:
-            return t
-        hkv, P = self.shape.n_kv_heads, self.P
-        g = lambda p: self.store.get(f"sekv.zoom.{p}.{layer}").reshape(hkv * P, -1)  # noqa: E731
-        cols = [g("k").view(torch.uint8), g("v").view(torch.uint8)]
+    def _names(self, layer: int) -> dict[str, str]:
+        return {p: f"sekv.zoom.{p}.{layer}" for p in LAYER_PARTS if f"sekv.zoom.{p}.{layer}" in self.names}
+
+    def _layer(self, layer: int) -> dict[str, torch.Tensor]:
+        """A layer's parts as rows, k / v [Hkv * P, d] and (int8) ks / vs [Hkv * P]: views of the pack's map."""
+        got = self._parts.get(layer)
+        if got is None:
+            read = getattr(self.store, "mapped", self.store.get)
+            n = self.shape.n_kv_heads * self.P
+            got = {p: read(name).reshape(n, -1) if p in ("k", "v") else read(name).reshape(n) for p, name in self._names(layer).items()}
+            with self._lock:
+                got = self._parts.setdefault(layer, got)
+        return got
+
+    @property
+    def damaged(self) -> BaseException | None:
+        """What the check found wrong so far (None: nothing, or no check)."""
+        return None if self.check is None else self.check.error
+
+    def _gather(self, layer: int, idx: torch.Tensor, out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The rows idx [M] (host, int64) of a layer's parts, on the host (into ``out``'s tensors where given)."""
+        if self.damaged is not None:
+            raise self.damaged
+        src = self._layer(layer)
+        if out is None:
+            return {p: t.index_select(0, idx) for p, t in src.items()}
+        for p, t in src.items():
+            torch.index_select(t, 0, idx, out=out[p])
+        return out
+
+    def _decode(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathered rows -> (K [M, d], V [M, d]) in the model dtype: int8 codes times their row's scale; or the store dtype's."""
         if self.int8:
-            cols += [g("ks").view(torch.uint8), g("vs").view(torch.uint8)]
-        raw = torch.cat(cols, 1)  # [Hkv * P, row bytes]
-        pad = (-raw.shape[1]) % 8
-        if pad:
-            raw = torch.cat([raw, torch.zeros(raw.shape[0], pad, dtype=torch.uint8)], 1)
-        words = raw.contiguous().view(torch.int64)  # [Hkv * P, W]
-        W = words.shape[1]
-        src = None
-        if device.type == "cuda":
-            try:
-                words = words.pin_memory()
-                src = device_view(words.flatten(), device)
-            except RuntimeError:
-                src = None
-            if src is None:
-                src = words.flatten().to(device)
-        else:
-            src = words.flatten()
-        t = self._tables[key] = (words, src, W)
-        return t
+            k = parts["k"].float() * parts["ks"].float().unsqueeze(-1)
+            v = parts["v"].float() * parts["vs"].float().unsqueeze(-1)
+            return k.to(self.shape.dtype), v.to(self.shape.dtype)
+        return parts["k"].to(self.shape.dtype, copy=True), parts["v"].to(self.shape.dtype, copy=True)  # never a view of a slot
 
     def lookup(self, layer: int, group: torch.Tensor, token: torch.Tensor, valid: torch.Tensor):
         """Rows of (KV group, document token) pairs [M] (on the compute device): (hit [M] bool: the token is covered
@@ -146,26 +169,288 @@ class ZoomTier:
         return valid & (pos[i] == token), group * self.P + i
 
     def rows(self, layer: int, hit: torch.Tensor, row: torch.Tensor):
-        """:meth:`lookup` of one layer from :meth:`locate`'s (hit, row)."""
+        """:meth:`lookup` of one layer from :meth:`locate`'s (hit, row): gathered on the host now (on an accelerator
+        the row ids' copy to the host waits for the device) and sent to the device."""
         dev = row.device
-        d = self.shape.head_dim
         if self.P == 0:
-            z = torch.zeros(row.numel(), d, dtype=self.shape.dtype, device=dev)
+            z = torch.zeros(row.numel(), self.shape.head_dim, dtype=self.shape.dtype, device=dev)
             return hit, z, z
-        ahead = self._ahead.get(layer) if self._ahead is not None and dev == self.device else None
-        words, src, W = ahead.result() if ahead is not None else self._table(layer, dev)
-        idx = (row.view(-1, 1) * W + torch.arange(W, device=dev).view(1, -1)).flatten()
-        got = src.index_select(0, idx).view(-1, W).view(torch.uint8)
-        if self.int8:
-            k = got[:, :d].view(torch.int8).float()
-            v = got[:, d : 2 * d].view(torch.int8).float()
-            sc = got[:, 2 * d : 2 * d + 4].contiguous().view(torch.float16).float()  # [M, 2]: K's scale, V's
-            k, v = k * sc[:, :1], v * sc[:, 1:2]
-            return hit, k.to(self.shape.dtype), v.to(self.shape.dtype)
-        isz = torch.empty(0, dtype=self.dtype).element_size()
-        k = got[:, : d * isz].contiguous().view(self.dtype)
-        v = got[:, d * isz : 2 * d * isz].contiguous().view(self.dtype)
-        return hit, k.to(self.shape.dtype), v.to(self.shape.dtype)
+        parts = self._gather(layer, row.to("cpu"))
+        k, v = self._decode({p: t.to(dev) for p, t in parts.items()})
+        return hit, k, v
+
+    def settle(self) -> None:
+        """End the staging thread's work (a step about to be captured in a CUDA graph: no other thread's copies beside
+        it).  A fill still to come for that plan reads its layer directly."""
+        if self._staged is not None:
+            self._staged.cancel()
+
+    def worker(self):
+        """The one thread that stages rows (:class:`StagedRows`), kept: a new thread a question would set up its own
+        intra-op threads each time."""
+        if self._worker is None:
+            self._worker = _Worker()
+            weakref.finalize(self, self._worker.jobs.put, None)
+        return self._worker
+
+    def fetch(self, hit: torch.Tensor, row: torch.Tensor, layers: int) -> "StagedRows | _Direct":
+        """The rows (hit, row) of layers 0..layers-1, asked for a layer at a time in order (a fixed set's fill):
+        staged from now on where the device is in STAGED_ON (:class:`StagedRows`), else :meth:`rows` per layer."""
+        if self._staged is not None:  # the previous plan's: its thread ends before the ring is reused
+            self._staged.cancel()
+            self._staged = None
+        if self.P == 0 or row.device.type not in STAGED_ON:
+            return _Direct(self, hit, row)
+        m = row.numel()
+        with torch.inference_mode():  # the ring's tensors are written by the thread: inference tensors, wherever made
+            if self._ring is None or not self._ring.fits(m, self, row.device):
+                # a ring replaced is kept until its last copies ended (their host memory is read by the DMA)
+                self._old = [r for r in self._old + ([self._ring] if self._ring is not None else []) if not r.idle()]
+                self._ring = _Ring(m, self, row.device)
+            self._staged = StagedRows(self, self._ring, hit, row, layers)
+        return self._staged
+
+
+class TierCheck:
+    """The tier's tensors checked against their sha256s on a thread, a layer after another (``Pack.check``, through
+    the file's map: the pages a question's gather reads are mapped by then).  ``done`` is set at the end; ``error``
+    holds what was found (a damaged or closed pack), raised by the tier's next read."""
+
+    def __init__(self, store, names: list[str]):
+        self.store, self.names = store, names
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        threading.Thread(target=self._run, name="sekv-tier-check", daemon=True).start()
+
+    @classmethod
+    def of(cls, store, n_layers: int) -> "TierCheck | None":
+        """A check of the store's tier, where it has one and reads tensors unchecked through a map (Pack)."""
+        names = set(store.keys())
+        if "sekv.zoom.idx" not in names or not (hasattr(store, "check") and hasattr(store, "mapped")):
+            return None
+        return cls(store, [n for li in range(n_layers) for p in LAYER_PARTS if (n := f"sekv.zoom.{p}.{li}") in names])
+
+    def _run(self) -> None:
+        try:
+            for name in self.names:
+                self.store.check(name)
+        except Exception as e:  # noqa: BLE001 - raised by the next read
+            self.error = e
+        finally:
+            self.done.set()
+
+
+#: checks started before a memory opens (start_check), by id(store): (the store, its check)
+_EARLY: dict[int, tuple[object, TierCheck]] = {}
+
+
+def start_check(store, n_layers: int) -> None:
+    """The tier's check of a pack about to be opened, from now (in `sekv ask` / `chat`: while the model loads);
+    the ZoomTier opened on the same store takes it up."""
+    check = TierCheck.of(store, n_layers)
+    if check is not None:
+        _EARLY[id(store)] = (store, check)
+
+
+class _Worker:
+    """A daemon thread running the jobs submitted, in order (a staging that waits for a fill that never comes does not
+    hold up the process's exit); ``submit`` returns an Event set when the job has ended."""
+
+    def __init__(self):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="sekv-tier", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            fn, ended = job
+            try:
+                fn()
+            finally:
+                ended.set()
+
+    def submit(self, fn) -> threading.Event:
+        ended = threading.Event()
+        self.jobs.put((fn, ended))
+        return ended
+
+
+class _Direct:
+    """:meth:`ZoomTier.fetch` without staging: each layer's rows read when asked."""
+
+    def __init__(self, tier: ZoomTier, hit: torch.Tensor, row: torch.Tensor):
+        self.tier, self.hit, self.row = tier, hit, row
+
+    def layer(self, layer: int):
+        return self.tier.rows(layer, self.hit, self.row)
+
+
+class _Ring:
+    """The staging memory, allocated once (again only for more rows): SLOTS slots of one layer's rows in page-locked
+    host memory (plain memory off CUDA) and as many on the device, the row ids' host copy, a side stream for the
+    copies, and each slot's last copy and last use (CUDA events, None before any)."""
+
+    def __init__(self, m: int, tier: ZoomTier, device: torch.device):
+        self.m, self.device, self.cuda = m, device, device.type == "cuda"
+        d = tier.shape.head_dim
+        isz = torch.empty(0, dtype=tier.code_dtype).element_size()
+        # a slot's parts, byte offsets: k, v [m, d] as the pack holds them (int8 codes or the store dtype), then the scales
+        self.layout, at = {}, 0
+        for p, (dt, shape) in {"k": (tier.code_dtype, (m, d)), "v": (tier.code_dtype, (m, d))}.items():
+            self.layout[p], at = (at, dt, shape), at + m * d * isz
+        if tier.int8:
+            for p in ("ks", "vs"):
+                self.layout[p], at = (at, torch.float16, (m,)), at + 2 * m
+        self.nbytes = -(-at // 8) * 8
+        words = SLOTS * self.nbytes // 8
+        self.host = (fb.page_locked(words) if self.cuda else torch.empty(words, dtype=torch.int64)).view(torch.uint8).view(SLOTS, -1)
+        self.dev = torch.empty(SLOTS, self.nbytes, dtype=torch.uint8, device=device)
+        self.ids = fb.page_locked(m) if self.cuda else torch.empty(m, dtype=torch.int64)
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        if self.cuda:  # written on the side stream: its memory is not reused before the stream's work on it ended
+            self.dev.record_stream(self.stream)
+        self.copied: list = [None] * SLOTS
+        self.used: list = [None] * SLOTS
+
+    def idle(self) -> bool:
+        """No copy from this ring still in flight."""
+        return all(e is None or e.query() for e in self.copied)
+
+    def fits(self, m: int, tier: ZoomTier, device) -> bool:
+        return m <= self.m and torch.device(device) == self.device
+
+    def parts(self, buf: torch.Tensor, m: int) -> dict[str, torch.Tensor]:
+        """A slot's bytes as the parts of its first m rows (views)."""
+        out = {}
+        for p, (at, dt, shape) in self.layout.items():
+            n = shape[-1] if len(shape) > 1 else 1
+            isz = torch.empty(0, dtype=dt).element_size()
+            out[p] = buf[at : at + m * n * isz].view(dt).view(m, n) if len(shape) > 1 else buf[at : at + m * isz].view(dt)
+        return out
+
+
+class StagedRows:
+    """One plan's tier rows for every layer on their way to the device, from the plan on: the tier's thread waits for the
+    row ids' copy to the host (an event polled: the question's stream is never synchronised), then for each layer
+    in order gathers its rows from the mapped pack into a page-locked slot and copies it to the device slot on a
+    side stream; :meth:`layer` (the fill, in layer order) waits for its layer's copy to be queued (a host wait on the
+    thread, not a device sync), makes the question's stream wait for the copy, and decodes the rows.  A slot is reused
+    SLOTS layers later, after its copy ended (polled) and its rows were decoded (the copy stream waits for that)."""
+
+    def __init__(self, tier: ZoomTier, ring: _Ring, hit: torch.Tensor, row: torch.Tensor, layers: int):
+        self.tier, self.ring, self.hit, self.row, self.L = tier, ring, hit, row, layers
+        self.m = row.numel()
+        self.ready = [threading.Event() for _ in range(layers)]
+        self.done = [threading.Event() for _ in range(layers)]  # decoded (or skipped) by the fill
+        self.events: list = [None] * layers
+        self.staged = [False] * layers  # copied to the device slot (a cancelled staging leaves the rest False)
+        self.owner: list = [None] * SLOTS  # the layer each slot holds now
+        self.taken = 0  # layers below this were decoded or skipped
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self.stats = {"tier_ids_wait_s": 0.0, "tier_gather_s": 0.0, "tier_wait_s": 0.0, "tier_bytes": 0}
+        tier.last = self.stats
+        ids = ring.ids[: self.m]
+        self.t0 = time.perf_counter()
+        if ring.cuda:
+            ids.copy_(row, non_blocking=True)  # read by the thread once the event says it landed
+            self.ids_ready = torch.cuda.Event()
+            self.ids_ready.record(torch.cuda.current_stream(row.device))
+        else:
+            ids.copy_(row)
+            self.ids_ready = None
+        self._ended = tier.worker().submit(self._run)
+
+    def _poll(self, event) -> bool:
+        """Wait for a CUDA event by polling (no sync torch's debug mode would count); False: cancelled."""
+        while event is not None and not event.query():
+            if self._stop.is_set():
+                return False
+            time.sleep(0.0002)
+        return True
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            self._stage()
+
+    def _stage(self) -> None:
+        ring, tier = self.ring, self.tier
+        try:
+            t = time.perf_counter()
+            if not self._poll(self.ids_ready):
+                return
+            self.stats["tier_ids_wait_s"] = time.perf_counter() - t
+            idx = ring.ids[: self.m]
+            for li in range(self.L):
+                if self._stop.is_set():
+                    return
+                s = li % SLOTS
+                if not self._poll(ring.copied[s]):  # the slot's last copy to the device has ended
+                    return
+                t = time.perf_counter()
+                tier._gather(li, idx, out=ring.parts(ring.host[s], self.m))
+                self.stats["tier_gather_s"] += time.perf_counter() - t
+                if li >= SLOTS:  # the layer that had the slot before: decoded (or skipped)
+                    while not self.done[li - SLOTS].wait(0.05):
+                        if self._stop.is_set():
+                            return
+                if self._stop.is_set():  # (cancel() sets every done)
+                    return
+                if ring.cuda:
+                    with torch.cuda.stream(ring.stream):
+                        if ring.used[s] is not None:
+                            ring.stream.wait_event(ring.used[s])
+                        ring.dev[s].copy_(ring.host[s], non_blocking=True)
+                        ev = torch.cuda.Event()
+                        ev.record(ring.stream)
+                    ring.copied[s] = self.events[li] = ev
+                else:
+                    ring.dev[s].copy_(ring.host[s])
+                self.stats["tier_bytes"] += ring.nbytes
+                self.owner[s] = li
+                self.staged[li] = True
+                self.ready[li].set()
+        except BaseException as e:  # noqa: BLE001 - raised by layer()
+            self.error = e
+        finally:
+            for r in self.ready:
+                r.set()
+
+    def layer(self, layer: int):
+        """(hit, K, V) of a layer, as :meth:`ZoomTier.rows` gives them; layers before it not asked for are skipped."""
+        if layer < self.taken:  # asked again (its slot may be reused): read it directly
+            return self.tier.rows(layer, self.hit, self.row)
+        for j in range(self.taken, layer):
+            self.done[j].set()
+        self.taken = layer + 1
+        t = time.perf_counter()
+        self.ready[layer].wait()
+        self.stats["tier_wait_s"] += time.perf_counter() - t
+        if self.error is not None:
+            raise self.error
+        if not self.staged[layer] or self.owner[layer % SLOTS] != layer:  # the staging ended first (settle): read it directly
+            self.done[layer].set()
+            return self.tier.rows(layer, self.hit, self.row)
+        ring, s = self.ring, layer % SLOTS
+        if ring.cuda:
+            stream = torch.cuda.current_stream(ring.device)
+            stream.wait_event(self.events[layer])
+        k, v = self.tier._decode(ring.parts(ring.dev[s], self.m))
+        if ring.cuda:
+            used = torch.cuda.Event()
+            used.record(stream)
+            ring.used[s] = used
+        self.done[layer].set()
+        return self.hit, k, v
+
+    def cancel(self) -> None:
+        """End the thread (a new plan replaces this one) and wait for it: the ring is the next plan's."""
+        self._stop.set()
+        for e in self.done:
+            e.set()
+        self._ended.wait()
 
 
 class TierStream(ChunkStream):
