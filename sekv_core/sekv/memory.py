@@ -188,8 +188,8 @@ class ZoomMemory(KVMemory):
         try:
             forward()
             if self._scouted:  # the batched step scores every layer's blocks at once, after the forward
-                qs, exact, scaling = zip(*self._scouted)
-                self.ranking.add_masses(self.step.scout_masses(list(qs), list(exact), scaling[0]))
+                qs, others, scaling = zip(*self._scouted)
+                self.ranking.add_masses(self.step.scout_masses(list(qs), list(others), scaling[0]))
                 if self.pinning is not None:
                     self.pinning.touch()
             self.ranking.finish_pass(self.res.scout_profile, self.params.profile_weight, lex, self.params.lexical_weight)
@@ -204,8 +204,9 @@ class ZoomMemory(KVMemory):
         q = query[0].float().reshape(hkv, -1, d)  # [Hkv, G*T, d]: a group's heads and tokens
         base = self.step.base if self.res.layout is not None else None
         exact = self.res.exact_keys(layer, base)
-        if isinstance(self.step, BatchedStep):  # scored with the other layers' after the forward (no layer needs another's)
-            self._scouted.append((q, exact, scaling))
+        if isinstance(self.step, BatchedStep):  # scored with the other layers' after the forward (no layer needs another's);
+            # the part that reads the layer's full-resolution keys is made now, so they are not kept for it
+            self._scouted.append((q, BatchedStep.scout_exact(q, exact, scaling), scaling))
         else:
             self.ranking.add_layer(q, exact, scaling, self.step.block_lse(layer, q, scaling))
 
