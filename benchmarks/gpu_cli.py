@@ -265,6 +265,9 @@ def summarize(rec: dict) -> dict:
         "chat_tok_per_s": [round(x["stats"].get("tokens_per_s") or 0, 1) for x in chat_asks],
         "chat_found": (rec.get("chat") or {}).get("found"),
         "chat_scout_s": [round(x.get("scout_s") or 0, 3) for x in chat_asks],
+        # each chat question's own GPU peak (generate resets the peak at every question: the first one's includes
+        # the resident buffers' first growth, a later one's is the steady state)
+        "chat_gpu_peak_gib": [round((x["stats"].get("gpu_peak_bytes") or 0) / GIB, 2) for x in chat_asks],
         # the TTFT's parts per question (DecodeStats: CUDA events), the factor blocks' wait inside the first scout,
         # and the CUDA-graph captures after the first token
         "first_forward_s": st.get("first_forward_s"),
@@ -283,7 +286,8 @@ COLS = [
     ("tok_per_s", "tok/s", "{:.1f}"), ("captures", "capt", "{}"), ("ask_gpu_peak_gib", "GPU GiB", "{:.2f}"),
     ("weights_gib", "weights", "{:.2f}"), ("ask_rss_gib", "RSS GiB", "{:.2f}"), ("found", "found", "{}"),
     ("chat_ttft_s", "chat TTFT", "{}"), ("chat_scout_s", "chat scout", "{}"), ("chat_wait_s", "chat wait", "{}"), ("chat_first_forward_s", "chat 1st fwd", "{}"),
-    ("chat_capture_s", "chat capture", "{}"), ("chat_tok_per_s", "chat tok/s", "{}"), ("chat_found", "chat found", "{}"),
+    ("chat_capture_s", "chat capture", "{}"), ("chat_tok_per_s", "chat tok/s", "{}"), ("chat_gpu_peak_gib", "chat GPU GiB", "{}"),
+    ("chat_found", "chat found", "{}"),
 ]
 
 
