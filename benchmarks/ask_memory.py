@@ -134,6 +134,8 @@ def ask(model, mem, question: list[int], steps: int = 2) -> dict:
     out: dict = {}
     step = mem._step()
     cuda = mem.device.type == "cuda"
+    if getattr(mem, "_warming", None) is not None:  # the build's thread ends (its kernels' warm-up) before counting
+        mem._warming.join()
 
     def device_peak() -> dict:  # on CUDA: the allocator's own peak of this phase beyond what was there before it
         if not cuda:
@@ -230,8 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--device", default="cpu", help="cpu: the batched step run on the CPU; cuda: the same on the GPU, with the allocator's peaks too")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--in-place", action="store_true", help="read host blocks in place (SCOUT_STAGING False); default: streamed, as on CUDA")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
+    from sekv_core import methods  # noqa: F401 - the package's import order
+    from sekv_core.sekv import gpu_step
+
+    gpu_step.SCOUT_STAGING = not a.in_place
     rows = []
     for n in [int(x) for x in a.tokens.split(",")]:
         model = geometry_model(a.layers, a.heads, a.kv_heads, a.head_dim, a.hidden, n, getattr(torch, a.dtype)).to(a.device)

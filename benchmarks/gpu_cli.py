@@ -258,6 +258,9 @@ def summarize(rec: dict) -> dict:
         "captures": a0.get("captures"),
         "capture_s": g("graph_capture"),
         "ask_gpu_peak_gib": (st.get("gpu_peak_bytes") or 0) / GIB,
+        # each chat question's own GPU peak (generate resets the peak at every question: the first one's includes
+        # the resident buffers' first growth, a later one's is the steady state)
+        "chat_gpu_peak_gib": [round((x["stats"].get("gpu_peak_bytes") or 0) / GIB, 2) for x in chat_asks],
         "weights_gib": gpu.get("weights_bytes", 0) / GIB,
         "ask_rss_gib": ask.get("max_rss_bytes", 0) / GIB,
         "found": ask.get("found"),
@@ -265,9 +268,6 @@ def summarize(rec: dict) -> dict:
         "chat_tok_per_s": [round(x["stats"].get("tokens_per_s") or 0, 1) for x in chat_asks],
         "chat_found": (rec.get("chat") or {}).get("found"),
         "chat_scout_s": [round(x.get("scout_s") or 0, 3) for x in chat_asks],
-        # each chat question's own GPU peak (generate resets the peak at every question: the first one's includes
-        # the resident buffers' first growth, a later one's is the steady state)
-        "chat_gpu_peak_gib": [round((x["stats"].get("gpu_peak_bytes") or 0) / GIB, 2) for x in chat_asks],
         # the TTFT's parts per question (DecodeStats: CUDA events), the factor blocks' wait inside the first scout,
         # and the CUDA-graph captures after the first token
         "first_forward_s": st.get("first_forward_s"),

@@ -188,8 +188,8 @@ class ZoomMemory(KVMemory):
         try:
             forward()
             if self._scouted:  # the batched step scores every layer's blocks at once, after the forward
-                qs, others, scaling = zip(*self._scouted)
-                self.ranking.add_masses(self.step.scout_masses(list(qs), list(others), scaling[0]))
+                qs, exact, scaling = zip(*self._scouted)
+                self.ranking.add_masses(self.step.scout_masses(list(qs), list(exact), scaling[0]))
                 if self.pinning is not None:
                     self.pinning.touch()
             self.ranking.finish_pass(self.res.scout_profile, self.params.profile_weight, lex, self.params.lexical_weight)
