@@ -66,7 +66,7 @@ def build_blocks(res: Residents, keep: float = 0.0) -> list[fb.Blocks]:
     if res.split:
         return _build_blocks_per_layer(res)
     wd = res.device if res.cuda else None
-    total = torch.cuda.mem_get_info(res.device)[1] if res.cuda else 0
+    total = torch.cuda.mem_get_info(res.device)[1] if res.cuda and keep > 0 else 0
     allow = keep * res.n_doc * res.shape.kv_bytes_per_token()
     out, kept = [], 0
     locker = fb.Locker(res.device) if res.cuda else None
