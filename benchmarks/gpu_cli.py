@@ -41,6 +41,9 @@ SHAPES = {
     # tokenizer's vocabulary; a long RoPE window for 128K documents
     "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
                rope_theta=500000.0, max_position_embeddings=139264),
+    # the 8B's KV geometry (8 KV heads of 128) in 4 small layers: the CPU proxy of benchmarks/ingest_stages.py --ingest
+    "kv8b": dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, intermediate_size=1024,
+                 rope_theta=500000.0, max_position_embeddings=139264),
     # a few MB, for testing this script on the CPU
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
                  rope_theta=10000.0, max_position_embeddings=32768),
@@ -225,6 +228,10 @@ def summarize(rec: dict) -> dict:
         "prefill_s": (ip.get("ingest") or {}).get("prefill_s"),
         "compress_s": ingest.get("compress_s"),
         "write_s": ingest.get("write_s"),
+        # the pipelined ingest writes during the prefill: what it adds after the prefill's end (= compress_s + write_s
+        # for one window), and the pack bytes already written by then
+        "after_prefill_s": ingest.get("after_prefill_s"),
+        "written_in_prefill_mib": (ingest.get("written_in_prefill") or 0) / (1 << 20),
         # the ingest ratio: prefill + compress + the pack written, over the plain prefill of the same tokens
         "ingest_over_prefill": sum(parts) / parts[0] if None not in parts and parts[0] else None,
         "ingest_gpu_peak_gib": (ip.get("gpu") or {}).get("max_allocated_bytes", 0) / GIB,
@@ -280,7 +287,8 @@ def summarize(rec: dict) -> dict:
 
 COLS = [
     ("tokens", "tokens", "{}"), ("method", "method", "{}"), ("ingest_wall_s", "ingest", "{:.1f}"), ("pack_mib", "pack MiB", "{:.1f}"),
-    ("ingest_over_prefill", "ingest/prefill", "{:.2f}"), ("ask_wall_s", "ask", "{:.2f}"), ("import_s", "import", "{:.2f}"), ("transformers_import_s", "tf import", "{:.2f}"), ("cuda_init_s", "CUDA", "{:.2f}"), ("other_s", "other", "{:.2f}"), ("load_s", "load", "{:.2f}"), ("pack_read_s", "read", "{:.2f}"),
+    ("ingest_over_prefill", "ingest/prefill", "{:.2f}"), ("prefill_s", "prefill", "{:.2f}"), ("after_prefill_s", "after prefill", "{:.2f}"),
+    ("written_in_prefill_mib", "MiB in prefill", "{:.0f}"), ("ask_wall_s", "ask", "{:.2f}"), ("import_s", "import", "{:.2f}"), ("transformers_import_s", "tf import", "{:.2f}"), ("cuda_init_s", "CUDA", "{:.2f}"), ("other_s", "other", "{:.2f}"), ("load_s", "load", "{:.2f}"), ("pack_read_s", "read", "{:.2f}"),
     ("sha256_s", "sha256", "{:.2f}"), ("open_s", "open", "{:.2f}"), ("scout_s", "scout", "{:.3f}"), ("step_build_s", "build", "{:.3f}"), ("blocks_wait_s", "wait", "{:.3f}"),
     ("first_forward_s", "1st fwd", "{:.3f}"), ("ttft_s", "TTFT", "{:.3f}"),
     ("tok_per_s", "tok/s", "{:.1f}"), ("captures", "capt", "{}"), ("ask_gpu_peak_gib", "GPU GiB", "{:.2f}"),

@@ -13,6 +13,13 @@ wait for the device on CUDA) and ``--cprofile N`` prints compress + write's N co
     python -m benchmarks.ingest_stages --tokens 16384 --layers 4 --kv-heads 8 --head-dim 128
     python -m benchmarks.ingest_stages --tokens 16384 --layers 4 --cuda-path --ops   # the grouping CUDA takes
     python -m benchmarks.ingest_stages --write-only 1000 --dir /var/tmp                # the pack write alone
+    python -m benchmarks.ingest_stages --ingest --tokens 4096 --dir /var/tmp          # sekv_core.ingest, both ways
+
+``--ingest`` runs the product's ingest (sekv_core/ingest.py, a pack on disk) on a random-weight model of the 8B's KV
+geometry in 4 small layers (benchmarks/gpu_cli.py SHAPES["kv8b"], bfloat16, qwen2.5-0.5b's tokenizer) over a text of
+--tokens random words, sequential (SEKV_INGEST_PIPELINE=0) and pipelined, and prints for each: prefill, compress
+and write seconds, the time after the prefill, ingest / prefill, the pack bytes written before the prefill ended,
+and a timeline of the pack writer's writes (seconds from the prefill's start, in tenths of the ingest).
 """
 
 from __future__ import annotations
@@ -55,6 +62,44 @@ def write_only(mib: int, where: str | None) -> int:
     return 0
 
 
+def ingest_both(tokens: int, where: str | None, repeat: int, device: str = "cpu") -> int:
+    import os
+    import random
+
+    from benchmarks.gpu_cli import random_model
+    from sekv_core import ingest as ing
+    from sekv_core import models
+
+    with tempfile.TemporaryDirectory(dir=where) as td:
+        d = Path(td)
+        random_model("kv8b", d / "model", "qwen2.5-0.5b", device, 0)
+        lm = models.load(str(d / "model"), device=device, dtype=torch.bfloat16)
+        rng = random.Random(0)
+        words = [w for w in "harbour ledger pump valve ship dawn tide crane cargo north river stone grain mill bell".split()]
+        text, n = [], 0
+        while n < tokens:
+            line = " ".join(rng.choice(words) + str(rng.randrange(100)) for _ in range(200))
+            text.append(line)
+            n += len(lm.tokenizer(line)["input_ids"])
+        (d / "doc.txt").write_text("\n".join(text))
+        rows = []
+        for mode in ("0", "1") * max(1, repeat):
+            os.environ[ing.PIPELINE_ENV] = mode
+            r = ing.ingest(d / "doc.txt", d / f"p{mode}.sekv", lm=lm, method="sekv", force=True)
+            tl = r.write_timeline
+            end = r.prefill_s + r.compress_s + r.write_s
+            bins = [0] * 10  # bytes written in each tenth of the ingest (from the prefill's start)
+            for a, b, nb in tl:
+                bins[min(9, int(10 * a / max(end, 1e-9)))] += nb
+            rows.append({"pipelined": r.pipelined, "tokens": r.n_tokens, "prefill_s": round(r.prefill_s, 3), "compress_s": round(r.compress_s, 3),
+                         "write_s": round(r.write_s, 3), "after_prefill_s": round(r.after_prefill_s, 3),
+                         "ingest_over_prefill": round(end / r.prefill_s, 3), "pack_mib": round(r.pack_bytes / 2**20, 1),
+                         "written_in_prefill_mib": round(r.written_in_prefill / 2**20, 1),
+                         "writes_by_tenth_mib": [round(b / 2**20, 1) for b in bins], "prefill_end_tenth": round(10 * r.prefill_s / end, 2)})
+            print(json.dumps(rows[-1]), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.ingest_stages", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=16384)
@@ -67,11 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="compress + write this many times (the best is reported)")
     ap.add_argument("--write-only", type=int, default=0, metavar="MIB",
                     help="only pack.write_pack of MIB of random int8 tensors in 640 tensors (a pack's count), best of 3")
-    ap.add_argument("--dir", default=None, help="where --write-only writes (default: a temporary folder)")
+    ap.add_argument("--dir", default=None, help="where --write-only / --ingest write (default: a temporary folder)")
+    ap.add_argument("--ingest", action="store_true", help="sekv_core.ingest on a random kv8b model, sequential and pipelined")
+    ap.add_argument("--device", default="cpu", help="--ingest's device (cuda: the GPU path's overlap)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.write_only:
         return write_only(a.write_only, a.dir)
+    if a.ingest:
+        return ingest_both(a.tokens, a.dir, a.repeat, a.device)
     from benchmarks.compress_ops import random_prefill
     from sekv_core import pack
     from sekv_core.sekv import compress as sc

@@ -138,7 +138,11 @@ class GraphedStep:
         self.graph = self.out = self.key = None  # free the old graph's pool before capturing anew
         t = time.perf_counter()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        # thread_local: only this thread's calls are checked during the capture.  Other threads page-lock host memory
+        # and copy on their own streams meanwhile (the zoom tier, the factor blocks' pinning, a previous memory's
+        # threads in a process that opens several); in the default global mode one such call invalidates the capture
+        # and leaves the context failing every later call ("invalid argument")
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
             self.out = self._forward()
         self.graph, self.key = g, key
         self.captures += 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,7 +17,7 @@ from .errors import DocumentError, stage
 from .methods import scores
 from .methods.base import ModelShape, PrefillResult
 from .methods.params import Params
-from .pack import prepare_output, write_pack
+from .pack import PackWriter, header_room, prepare_output, write_pack
 from .prefill import prefill_window
 from .windows import Window
 
@@ -38,6 +38,12 @@ class IngestResult:
     method: str
     params: Params
     windows: int = 1
+    #: from the (last) prefill's end to the pack on disk: what the ingest adds to its prefill, overlap counted once
+    after_prefill_s: float = 0.0
+    #: pack bytes written before the (last) prefill ended (the pipelined ingest's overlap)
+    written_in_prefill: int = 0
+    pipelined: bool = False
+    write_timeline: list = field(default_factory=list)
 
 
 def default_pack_path(doc: Path) -> Path:
@@ -190,15 +196,51 @@ def ingest(
     needed = int(raw_fp16 * 1.1) if cache_method.needs_prefill else 64 * len(ids)  # rag: token ids and its index, no KV
     inputs = [p.path for p in doc.parts if p.path] or ([doc.path] if doc.path else [])
     slot = prepare_output(out_path, force=force, inputs=inputs, needed_bytes=needed + (1 << 20))
+    manifest = {
+        "sekv_version": __version__,
+        "method": method,
+        "method_params": params.to_dict(),
+        "model": {
+            "id": lm.model_id,
+            "fingerprint": lm.fingerprint,
+            "tokenizer_fingerprint": lm.tokenizer_fingerprint,
+            "dtype": str(shape.dtype).removeprefix("torch."),
+            "shape": {"layers": shape.n_layers, "heads": shape.n_heads, "kv_heads": shape.n_kv_heads, "head_dim": shape.head_dim},
+            "context_window": models.context_window(lm.config),
+            "rope_scaling": rope_scale.manifest_entry(lm),
+        },
+        "document": {
+            "name": doc.name,
+            "kind": doc.kind,
+            "sha256": doc.sha256,
+            "n_chars": len(doc.text),
+            "n_pages": len(doc.pages),
+            "token_pages": page_runs,
+        } | ({"parts": parts} if parts else {}),
+        "system": prompt.SYSTEM if system is None else system,  # prefilled with the document; ask's turns follow it
+        "n_tokens": len(ids),
+        "token_ids": ids,
+        "windows": [[w.start, w.end] for w in plan],
+    }
+    writer = None
     try:
+        # the pipelined ingest: what the method makes from each prefill chunk (sekv: the zoom tier) is written into
+        # the pack while the prefill runs; compress makes the rest (cparams)
+        stream, cparams = None, params
+        one_device = len(set(placement.layer_devices(lm.model))) <= 1  # a model across devices: the sequential ingest
+        got = cache_method.prefill_stream(params, shape, len(ids)) if pipelined() and cache_method.needs_prefill and one_device else None
+        if got is not None:
+            stream, cparams = got
+            writer = PackWriter(slot, header_room(manifest, 64 * (shape.n_layers + 1)))
+            stream.start(writer)
         needs = cache_method.needs(params)
         text_scores = scores.text_scores(lm.tokenizer, text, ids, needs, system, offsets=offsets)
         on_gpu = placement.input_device(lm.model).type == "cuda"
         if on_gpu:  # host memory for compress's results (every window's), ready by the time it runs
-            cache_method.reserve_host(len(ids), shape, params)
+            cache_method.reserve_host(len(ids), shape, cparams)
         kw = dict(with_surprisal=cache_method.needs_surprisal, chunk=chunk, capture=scores.capture_kinds(needs),
-                  obs_window=cache_method.obs_window(params), offload_kv=offload_kv)
-        spent = {"prefill": 0.0}
+                  obs_window=cache_method.obs_window(params), offload_kv=offload_kv, on_chunk=stream)
+        spent = {"prefill": 0.0, "end": 0.0, "written": 0}
 
         def window_prefills():
             for w in plan:
@@ -207,7 +249,9 @@ def ingest(
                 with stage("prefill"):
                     r = prefill_window(lm.model, ids, header_len, w, progress=lambda d, _n, w=w: report("prefill", w.start + d, w.index), **kw)
                 r.scores.update(text_scores)
-                spent["prefill"] += time.perf_counter() - ta
+                spent["end"] = time.perf_counter()
+                spent["prefill"] += spent["end"] - ta
+                spent["written"] = writer.written if writer is not None else 0
                 report("compress", w.end, w.index)
                 yield r
                 del r
@@ -215,56 +259,55 @@ def ingest(
         t1 = time.perf_counter()
         if cache_method.length_policy == "windowed":
             with stage("compress"):
-                tensors = cache_method.compress_windows(window_prefills(), params)
+                tensors = cache_method.compress_windows(window_prefills(), cparams)
         elif not cache_method.needs_prefill:  # rag: no KV at ingest, only the text's statistics
             result = PrefillResult.without_kv(torch.tensor(ids), shape, text_scores, lm)
             with stage("compress"):
-                tensors = cache_method.compress(result, params)
+                tensors = cache_method.compress(result, cparams)
             del result
         else:
             result = next(window_prefills())
             with stage("compress"):
-                tensors = cache_method.compress(result, params)
+                tensors = cache_method.compress(result, cparams)
             del result
         tensors = {k: v.cpu() for k, v in tensors.items()}
         t3 = time.perf_counter()
         prefill_s = spent["prefill"]
-        manifest = {
-            "sekv_version": __version__,
-            "method": method,
-            "method_params": params.to_dict(),
-            "model": {
-                "id": lm.model_id,
-                "fingerprint": lm.fingerprint,
-                "tokenizer_fingerprint": lm.tokenizer_fingerprint,
-                "dtype": str(shape.dtype).removeprefix("torch."),
-                "shape": {"layers": shape.n_layers, "heads": shape.n_heads, "kv_heads": shape.n_kv_heads, "head_dim": shape.head_dim},
-                "context_window": models.context_window(lm.config),
-                "rope_scaling": rope_scale.manifest_entry(lm),
-            },
-            "document": {
-                "name": doc.name,
-                "kind": doc.kind,
-                "sha256": doc.sha256,
-                "n_chars": len(doc.text),
-                "n_pages": len(doc.pages),
-                "token_pages": page_runs,
-            } | ({"parts": parts} if parts else {}),
-            "system": prompt.SYSTEM if system is None else system,  # prefilled with the document; ask's turns follow it
-            "n_tokens": len(ids),
-            "token_ids": ids,
-            "windows": [[w.start, w.end] for w in plan],
-            "sizes": {"raw_kv_fp16_bytes": raw_fp16, "tensor_bytes": int(sum(t.numel() * t.element_size() for t in tensors.values()))},
-            "timings": {"prefill_s": round(prefill_s, 3), "compress_s": round(t3 - t1 - prefill_s, 3)},
-        }
+        tensor_bytes = int(sum(t.numel() * t.element_size() for t in tensors.values()))
+        manifest["sizes"] = {"raw_kv_fp16_bytes": raw_fp16, "tensor_bytes": tensor_bytes + (writer.end if writer is not None else 0)}
+        manifest["timings"] = {"prefill_s": round(prefill_s, 3), "compress_s": round(t3 - t1 - prefill_s, 3)}
         report("write", len(ids), len(plan) - 1)
         with stage("write"):
-            size = write_pack(out_path, manifest, tensors, slot=slot)
+            if writer is not None:
+                stream.finish()
+                for k in sorted(tensors):
+                    writer.put(k, tensors.pop(k))
+                size = writer.finish(manifest)
+            else:
+                size = write_pack(out_path, manifest, tensors, slot=slot)
     except BaseException:
+        if writer is not None:
+            writer.abort()
         slot.discard()
         raise
     t4 = time.perf_counter()
-    return IngestResult(out_path, len(ids), size, raw_fp16, prefill_s, t3 - t1 - prefill_s, t4 - t3, t4 - t0, method, params, len(plan))
+    return IngestResult(out_path, len(ids), size, raw_fp16, prefill_s, t3 - t1 - prefill_s, t4 - t3, t4 - t0, method, params, len(plan),
+                        after_prefill_s=t4 - (spent["end"] or t1), written_in_prefill=spent["written"], pipelined=writer is not None,
+                        write_timeline=_timeline(writer, t1))
+
+
+#: "0": the sequential ingest (prefill, then compress, then the pack's write), for comparisons
+PIPELINE_ENV = "SEKV_INGEST_PIPELINE"
+
+
+def pipelined() -> bool:
+    """Whether ingest writes what the method makes during the prefill as it is made (the default)."""
+    return os.environ.get(PIPELINE_ENV, "1") != "0"
+
+
+def _timeline(writer, t1: float) -> list[tuple[float, float, int]]:
+    """The writer's writes as (start, end) seconds from the prefill's start, and bytes (benchmarks/ingest_stages.py)."""
+    return [] if writer is None else [(a - t1, b - t1, n) for a, b, n in writer.timeline]
 
 
 def model_shape(lm: models.LoadedModel) -> ModelShape:

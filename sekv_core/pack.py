@@ -245,18 +245,310 @@ def write_pack(path: Path, manifest: dict[str, Any], tensors: dict[str, torch.Te
     return path.stat().st_size
 
 
-def _header(manifest: dict[str, Any], tensors: dict[str, torch.Tensor], digests: dict[str, str]) -> bytes:
-    """The pack's header (length prefix, JSON, padding) with these tensor digests, its own checksum filled in."""
+def header_room(manifest: dict[str, Any], max_tensors: int) -> int:
+    """Header bytes to reserve for a pack written while its tensors are made (:class:`PackWriter`): the manifest
+    known so far (its JSON escaped once more inside the header's), ``max_tensors`` tensor entries (each listed twice:
+    the manifest's sha256 and the table's offsets) and room for the rest; a header that outgrows it still works
+    (the data region moves), only slower."""
+    return (2 * len(json.dumps(manifest, allow_nan=False)) + 512 * max(int(max_tensors), 1) + (64 << 10) + 7) // 8 * 8
+
+
+#: bytes a streamed pack's writer may hold queued (host buffers waiting for their write) before submit() waits
+WRITER_QUEUE_BYTES = 1 << 30
+#: a streamed pack's writeback is started every this many bytes written (sync_file_range; else fdatasync), so that
+#: the fsync before the rename has little left to wait for
+WRITEBACK_EVERY = 256 << 20
+
+
+def _writeback_starter():
+    """fd, offset, nbytes -> start the kernel's writeback of that range without waiting for it (Linux's
+    sync_file_range(SYNC_FILE_RANGE_WRITE)); None where there is none (the writer then fdatasyncs instead)."""
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.sync_file_range
+        fn.argtypes = (ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint)
+    except (OSError, AttributeError):
+        return None
+
+    def start(fd: int, off: int, n: int) -> None:
+        if fn(fd, off, n, 2) != 0:  # SYNC_FILE_RANGE_WRITE
+            e = ctypes.get_errno()
+            raise OSError(e, os.strerror(e))
+
+    return start
+
+
+class PackWriter:
+    """A pack written while its tensors are still being made (sekv_core/ingest.py's pipelined ingest): the same file
+    :func:`write_pack` writes (docs/pack-format.md), the header's room reserved first and its bytes written last.
+
+    ``reserve(name, dtype, shape)`` places a tensor in the data region now, to be filled piece by piece
+    (``submit(fn)``: ``fn`` runs on the writer thread and returns ``[(name, byte offset in the tensor, buffer)]``;
+    pieces never overlap); ``put(name, tensor)`` appends a whole one.  Every 16 MiB hash chunk (:func:`tensor_digest`)
+    is hashed on the pack's pool as soon as its bytes are all written (read back from the page cache when they came
+    in pieces).  The writer thread starts the kernel's writeback of what it wrote as it goes.  ``finish(manifest)``
+    writes the header (padded with spaces to the reserved room; a larger one moves the data region), fsyncs and
+    renames onto the target; ``abort()`` (or any error) removes the temporary file.  Writes on one thread, in order:
+    ``timeline`` records each write's (start, end, bytes) for the benchmarks."""
+
+    def __init__(self, slot: OutputSlot, header_bytes: int):
+        import queue
+        import threading
+
+        self.slot, self.path = slot, slot.path
+        self.head = (max(int(header_bytes), 16) + 7) // 8 * 8
+        self.fd = os.open(slot.tmp, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        self.specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        self.offsets: dict[str, int] = {}
+        self.end = 0  # data-region bytes placed
+        self._done: dict[str, list[int]] = {}  # per tensor, bytes written into each hash chunk
+        self._hashes: dict[str, list] = {}  # per tensor, each hash chunk's future (None until it is complete)
+        self._q: Any = queue.Queue()
+        self._queued = 0
+        self._cv = threading.Condition()
+        self._error: BaseException | None = None
+        self._closed = False  # finished or aborted
+        self._since_writeback = 0
+        self._writeback = _writeback_starter()
+        self.timeline: list[tuple[float, float, int]] = []
+        self.written = 0
+        self._lock = threading.Lock()  # reserve() runs on the caller's thread and (submit_tensors) on the writer's
+        self._thread = threading.Thread(target=self._run, name="sekv-pack-writer", daemon=True)
+        self._thread.start()
+
+    # -- placing ------------------------------------------------------------------------------------------------
+
+    def reserve(self, name: str, dtype: torch.dtype, shape: Sequence[int]) -> int:
+        """Place tensor ``name`` at the end of the data region; its byte offset there."""
+        if dtype not in _CODE:
+            raise ValueError(f"pack tensor {name}: dtype {dtype} is not storable")
+        n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        with self._lock:
+            if name in self.specs:
+                raise ValueError(f"pack tensor {name} placed twice")
+            self.specs[name], self.offsets[name] = (dtype, tuple(int(x) for x in shape)), self.end
+            self._done[name] = [0] * max(1, -(-n // _CHUNK))
+            self._hashes[name] = [None] * len(self._done[name])
+            if n == 0:
+                self._hashes[name][0] = _pool().submit(_chunk_sha, b"")
+            self.end += n
+            return self.offsets[name]
+
+    def nbytes(self, name: str) -> int:
+        dt, shape = self.specs[name]
+        return math.prod(shape) * torch.empty(0, dtype=dt).element_size()
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        """Append a whole tensor (host memory; kept alive until written)."""
+        t = tensor.detach().contiguous().cpu()
+        self.reserve(name, t.dtype, t.shape)
+        self.submit(lambda: [(name, 0, _raw_bytes(t))], t.numel() * t.element_size())
+
+    def submit_tensors(self, fn) -> None:
+        """Append the tensors ``fn()`` returns ({name: host tensor}), ``fn`` run on the writer thread, in order (it
+        may wait there for them: compress's layers as they reach the host)."""
+
+        def pieces():
+            out = []
+            for name, t in sorted(fn().items()):
+                t = t.detach().contiguous().cpu()
+                self.reserve(name, t.dtype, t.shape)
+                out.append((name, 0, _raw_bytes(t)))
+            return out
+
+        self.submit(pieces)
+
+    def submit(self, fn, nbytes: int = 0, reused: bool = False) -> None:
+        """Run ``fn`` on the writer thread, in order, and write the pieces it returns.  ``nbytes``: about how many it
+        will write (waits while more than WRITER_QUEUE_BYTES are queued); ``reused``: the pieces' buffers are
+        written into again after ``fn``'s next call (a staging buffer), so they are hashed from the file."""
+        self._check()
+        with self._cv:
+            while self._queued > 0 and self._queued + nbytes > WRITER_QUEUE_BYTES and self._error is None:
+                self._cv.wait()
+            self._queued += nbytes
+        self._q.put((fn, nbytes, reused))
+
+    def _check(self) -> None:
+        if self._error is not None:
+            e = self._error
+            if isinstance(e, OSError):
+                raise SekvError(f"{self.path}: cannot write the pack ({e.strerror or type(e).__name__}); nothing was written") from None
+            raise e
+
+    # -- the writer thread ----------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, nbytes, reused = item
+            try:
+                if self._error is None:
+                    for name, off, buf in fn():
+                        self._write(name, off, buf, reused)
+            except BaseException as e:  # noqa: BLE001 - handed to the thread that finishes or aborts
+                self._error = self._error or e
+            finally:
+                with self._cv:
+                    self._queued -= nbytes
+                    self._cv.notify_all()
+
+    def _write(self, name: str, off: int, buf, reused: bool = False) -> None:
+        mv = memoryview(buf).cast("B")
+        n = len(mv)
+        if off < 0 or off + n > self.nbytes(name):
+            raise ValueError(f"pack tensor {name}: a piece [{off}, {off + n}) outside its {self.nbytes(name)} bytes")
+        t0 = time.perf_counter()
+        _pwrite_all(self.fd, mv, self.head + self.offsets[name] + off)
+        self.written += n
+        self._since_writeback += n
+        if self._since_writeback >= WRITEBACK_EVERY:
+            if self._writeback is not None:
+                self._writeback(self.fd, 0, 0)  # 0, 0: the whole file's dirty pages
+            else:
+                os.fdatasync(self.fd)
+            self._since_writeback = 0
+        self.timeline.append((t0, time.perf_counter(), n))
+        self._hashed(name, off, mv, reused)
+
+    def _hashed(self, name: str, off: int, mv: memoryview, reused: bool) -> None:
+        """Count the piece's bytes into its hash chunks; hash each chunk it completes (from ``mv`` when the piece
+        covers the chunk, else read back from the file)."""
+        total, done, futs, pool = self.nbytes(name), self._done[name], self._hashes[name], _pool()
+        a, b = off, off + len(mv)
+        for c in range(a // _CHUNK, (b - 1) // _CHUNK + 1 if b > a else a // _CHUNK):
+            c0, c1 = c * _CHUNK, min(total, (c + 1) * _CHUNK)
+            done[c] += min(b, c1) - max(a, c0)
+            if done[c] == c1 - c0:
+                if a <= c0 and c1 <= b and not reused:
+                    futs[c] = pool.submit(_chunk_sha, mv[c0 - a : c1 - a])
+                else:
+                    futs[c] = pool.submit(self._sha_of_file, self.head + self.offsets[name] + c0, c1 - c0)
+
+    def _sha_of_file(self, at: int, n: int) -> bytes:
+        with open(self.slot.tmp, "rb") as f:
+            return _chunk_sha(_read_exact(f, at, n))
+
+    # -- the end --------------------------------------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        if self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join()
+
+    @property
+    def open(self) -> bool:
+        """Whether tensors may still be given (neither finished nor aborted)."""
+        return not self._closed
+
+    def finish(self, manifest: dict[str, Any]) -> int:
+        """Wait for the writes, write the header, fsync, rename onto the target: the file size.  Every placed tensor
+        must have been written whole.  On any error nothing is left (the temporary file removed)."""
+        if self._closed:
+            raise AssertionError("the pack writer was finished or aborted already")
+        try:
+            self._drain()
+            self._check()
+            digests = {}
+            for name, futs in self._hashes.items():
+                if any(f is None for f in futs):
+                    raise AssertionError(f"pack tensor {name} was not written whole")
+                digests[name] = _finish_digest(futs)
+            manifest = dict(manifest, magic=MAGIC, format_version=FORMAT_VERSION)
+            manifest.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+            if isinstance(manifest.get("sizes"), dict):  # every tensor is placed now: their bytes
+                manifest["sizes"] = dict(manifest["sizes"], tensor_bytes=self.end)
+            names = sorted(self.specs)
+            specs = {k: self.specs[k] for k in names}
+            head = _header(manifest, specs, digests, self.offsets, self.head)
+            if len(head) != self.head:  # more than the reserved room: the data region moves behind the header
+                self._relocate(head)
+            else:
+                _pwrite_all(self.fd, head, 0)
+            os.fsync(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+            os.replace(self.slot.tmp, self.path)
+            self._closed = True
+        except OSError as e:
+            self.abort()
+            raise SekvError(f"{self.path}: cannot write the pack ({e.strerror or type(e).__name__}); nothing was written") from None
+        except BaseException:
+            self.abort()
+            raise
+        return self.path.stat().st_size
+
+    def _relocate(self, head: bytes) -> None:
+        """The header outgrew its room: a new temporary file with the header, then the data region copied in."""
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        try:
+            _pwrite_all(fd, head, 0)
+            left, src, dst = self.end, self.head, len(head)
+            while left > 0:
+                n = os.copy_file_range(self.fd, fd, left, src, dst) if hasattr(os, "copy_file_range") else 0
+                if n <= 0:
+                    data = os.pread(self.fd, min(left, _CHUNK), src)
+                    n = _pwrite_all(fd, data, dst)
+                left, src, dst = left - n, src + n, dst + n
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(self.fd)
+        os.unlink(self.slot.tmp)
+        self.fd, self.slot = fd, OutputSlot(self.path, Path(tmp))
+
+    def abort(self) -> None:
+        """Stop, and remove the temporary file (an error or an interrupt anywhere in the ingest)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._error = self._error or KeyboardInterrupt()
+        try:
+            self._drain()
+        finally:
+            for futs in self._hashes.values():
+                for f in futs:
+                    if f is not None:
+                        f.cancel()
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+            self.slot.discard()
+
+
+def _pwrite_all(fd: int, data, at: int) -> int:
+    mv = memoryview(data).cast("B")
+    done = 0
+    while done < len(mv):
+        done += os.pwrite(fd, mv[done:], at + done)
+    return done
+
+
+def _header(manifest: dict[str, Any], tensors: dict[str, torch.Tensor], digests: dict[str, str],
+            offsets: dict[str, int] | None = None, size: int = 0) -> bytes:
+    """The pack's header (length prefix, JSON, padding) with these tensor digests, its own checksum filled in.
+    ``tensors``: name -> a tensor, or a (dtype, shape) pair; ``offsets``: each one's byte offset in the data region
+    (None: one after the other in this order); ``size``: pad the header with spaces to this many bytes (the length
+    prefix included) where it is shorter (a header whose room was reserved before the data was written)."""
     manifest = dict(manifest)
-    manifest["tensors"] = {k: {"dtype": dtype_name(v.dtype), "shape": list(v.shape), "sha256": digests[k]} for k, v in tensors.items()}
+    specs = {k: (v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else (v[0], tuple(v[1])) for k, v in tensors.items()}
+    manifest["tensors"] = {k: {"dtype": dtype_name(dt), "shape": list(shape), "sha256": digests[k]} for k, (dt, shape) in specs.items()}
     header: dict[str, Any] = {"__metadata__": {_META_KEY: json.dumps(manifest, allow_nan=False), _HEADER_SUM_KEY: _ZERO}}
     off = 0
-    for k, v in tensors.items():
-        n = v.numel() * v.element_size()
-        header[k] = {"dtype": _CODE[v.dtype], "shape": list(v.shape), "data_offsets": [off, off + n]}
+    for k, (dt, shape) in specs.items():
+        n = math.prod(shape) * torch.empty(0, dtype=dt).element_size()
+        if offsets is not None:
+            off = offsets[k]
+        header[k] = {"dtype": _CODE[dt], "shape": list(shape), "data_offsets": [off, off + n]}
         off += n
     body = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
-    body += b" " * (-(8 + len(body)) % 8)  # safetensors aligns the data region to 8 bytes
+    body += b" " * max(-(8 + len(body)) % 8, size - 8 - len(body))  # safetensors aligns the data region to 8 bytes
     head = struct.pack("<Q", len(body)) + body
     digest = hashlib.sha256(head).hexdigest()
     return head.replace(f'"{_HEADER_SUM_KEY}":"{_ZERO}"'.encode(), f'"{_HEADER_SUM_KEY}":"{digest}"'.encode(), 1)

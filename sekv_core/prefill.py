@@ -41,10 +41,14 @@ def prefill(
     capture: Sequence[str] = (),
     obs_window: int = 64,
     offload_kv: bool | None = None,
+    on_chunk: Callable[[int, int, Callable], None] | None = None,
 ) -> PrefillResult:
     """capture: prefill statistics to record into PrefillResult.scores (see sekv_core.methods.scores).  offload_kv:
     keep the KV in host memory, chunk by chunk (sekv_core/kv_offload.py); None: when it would not fit the GPU.
-    chunk: tokens a forward (None: :func:`default_chunk`); the outputs do not depend on it beyond rounding."""
+    chunk: tokens a forward (None: :func:`default_chunk`); the outputs do not depend on it beyond rounding.
+    on_chunk(a, b, rows): called after each chunk has passed every layer, when tokens [a, b)'s KV is final (causal
+    attention); ``rows(layer)`` -> their (post-RoPE keys, values) [Hkv, b - a, d] (the pipelined ingest's work that
+    needs only those tokens, sekv_core/ingest.py)."""
     from . import kv_offload, placement
 
     device = placement.input_device(model)
@@ -83,6 +87,9 @@ def prefill(
                     logits = head(hidden[b : b + tgt.numel()]).float()
                     s = logits.logsumexp(-1) - logits.gather(1, tgt.view(-1, 1)).squeeze(1)
                     surprisal[start + 1 + b : start + 1 + b + tgt.numel()] = s
+        if on_chunk is not None:
+            end = start + piece.shape[1]
+            on_chunk(start, end, lambda li, a=start, b=end: _rows(memory.kv, li, a, b, offload_kv, device))
         if progress:
             progress(min(start + chunk, n), n)
     surprisal = surprisal.cpu()
@@ -98,6 +105,14 @@ def prefill(
                          model_fingerprint=str(getattr(model, "sekv_fingerprint", "")), model_id=str(getattr(model, "sekv_model_id", "")), model=model)
 
 
+def _rows(kv, li: int, a: int, b: int, offloaded: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer li's keys and values of tokens [a, b) as the prefill holds them: [Hkv, b - a, d] (views; offloaded:
+    copied to ``device``, where compress would read them)."""
+    if offloaded:  # kv_offload.HostKV: token-major host buffers
+        return kv.hk[li][a:b].to(device).transpose(0, 1), kv.hv[li][a:b].to(device).transpose(0, 1)
+    return kv.k[li][0, :, a:b], kv.v[li][0, :, a:b]
+
+
 def prefill_window(
     model,
     ids: list[int],
@@ -110,6 +125,7 @@ def prefill_window(
     capture: Sequence[str] = (),
     obs_window: int = 64,
     offload_kv: bool | None = None,
+    on_chunk: Callable[[int, int, Callable], None] | None = None,
 ) -> PrefillResult:
     """One window of a windowed ingest (sekv_core/windows.py): its header, carried context and own part prefilled at
     native positions; returned is its own part only, at global positions (keys and recorded queries re-rotated by
@@ -123,16 +139,31 @@ def prefill_window(
     def own(done: int, total: int) -> None:
         progress(max(0, done - drop), window.n)
 
-    r = prefill(model, torch.tensor(local), with_surprisal=with_surprisal, chunk=chunk, progress=own if progress else None,
-                capture=capture, obs_window=min(obs_window, window.n), offload_kv=offload_kv)
     delta = window.offset
     inv = None
     if delta:
         from .sekv import rope
 
-        inv = rope.inv_freq_of(r.shape)
+        inv = rope.inv_freq_of(ModelShape.of(model.config, next(model.parameters()).dtype))
         if inv is None:
             raise ValueError("the model's rotary embedding is not static (dynamic / partial RoPE): its windows cannot be re-positioned")
+    own_chunk = None
+    if on_chunk is not None:
+
+        def own_chunk(a: int, b: int, rows) -> None:  # its own part's tokens, as the keys kept below
+            a0 = max(a, drop)
+            if b <= a0:
+                return
+
+            def kept(li: int):
+                k, v = rows(li)
+                k, v = k[:, a0 - a :], v[:, a0 - a :]
+                return (shift(k, delta, inv) if delta else k), v
+
+            on_chunk(a0 - drop + window.start, b - drop + window.start, kept)
+
+    r = prefill(model, torch.tensor(local), with_surprisal=with_surprisal, chunk=chunk, progress=own if progress else None,
+                capture=capture, obs_window=min(obs_window, window.n), offload_kv=offload_kv, on_chunk=own_chunk)
     if isinstance(r.keys, LayersOn):  # offloaded: stays on the host, each layer re-positioned when it is read
         keys = r.keys.map(lambda k: shift(k[:, drop:], delta, inv) if delta else k[:, drop:])
         values = r.values.map(lambda v: v[:, drop:])

@@ -155,3 +155,41 @@ def test_cuda_graphed_steps_equal_eager_steps(method):
     m = memory()
     b, _ = generate(gmodel, m, QUESTION, max_new_tokens=8, stop_ids=set())
     assert a == b
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_capture_survives_page_locking_on_another_thread():
+    """Another thread page-locks host memory and copies to the device while a step is captured (as the zoom tier's and
+    the factor blocks' threads do): the capture holds and the graphed steps give the eager steps' logits."""
+    import threading
+
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.5, min_span=10, window=16, routing="scout")
+    gmodel = tiny("qwen2").cuda()
+    gmodel.load_state_dict(model.state_dict())
+    runtime.install(gmodel)
+    stop = threading.Event()
+
+    def pinning():
+        s = torch.cuda.Stream()
+        while not stop.is_set():
+            h = torch.empty(1 << 20, dtype=torch.uint8).pin_memory()
+            with torch.cuda.stream(s):
+                h.to("cuda", non_blocking=True)
+            s.synchronize()
+
+    outs = []
+    for graphs in (False, True):
+        m = methods.get("sekv").open(store, p, res.shape, "cuda")
+        q = torch.tensor([QUESTION], device="cuda")
+        m.prepare_question(lambda: runtime.forward_hidden(gmodel, q, m.n_tokens(), m))
+        th = threading.Thread(target=pinning, daemon=True)
+        th.start()
+        try:
+            lg, step = _steps(gmodel, m, graphs, 8, q)
+        finally:
+            stop.set()
+            th.join()
+            stop.clear()
+        outs.append(lg.cpu())
+    assert step.captures >= 1
+    assert torch.allclose(outs[0], outs[1], atol=2e-3, rtol=1e-3), (outs[0] - outs[1]).abs().max()

@@ -428,6 +428,14 @@ class CacheMethod(ABC):
         """Called before the prefill of an n_tokens document on an accelerator: a method whose compress()
         moves large results to the host may prepare that memory meanwhile (sekv does).  Default: nothing."""
 
+    def prefill_stream(self, params: Params, shape: ModelShape, n_tokens: int):
+        """Pack tensors this method makes from each prefill chunk as it completes, written while the prefill runs
+        (the pipelined ingest, sekv_core/ingest.py): None (default: everything comes from compress()), or (a stream,
+        the parameters compress() then runs with, so that it leaves out what the stream made).  The stream:
+        ``start(writer)`` places its tensors in the pack (pack.PackWriter), then it is the prefill's ``on_chunk``
+        hook, then ``finish()`` after the prefill."""
+        return None
+
     @abstractmethod
     def compress(self, prefill: PrefillResult, params: Params) -> dict[str, torch.Tensor]:
         """Tensors to store in the pack (CPU tensors)."""

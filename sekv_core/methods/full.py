@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..chunk_stream import ChunkStream
 from .base import CacheMethod, GrowingKV, KVMemory, ModelShape, PrefillResult, TensorStore, causal_attention
 
 
@@ -58,7 +59,15 @@ class FullMethod(CacheMethod):
     summary = "the complete KV cache; exact, largest"
     per_layer_devices = True
 
+    def prefill_stream(self, params, shape: ModelShape, n_tokens: int):
+        """The KV itself, a prefill chunk at a time (FullStream): compress then has nothing left to give."""
+        self._stream = FullStream(shape, n_tokens)
+        return self._stream, params
+
     def compress(self, prefill: PrefillResult, params):
+        stream, self._stream = getattr(self, "_stream", None), None
+        if stream is not None and stream.writer is not None and stream.writer.open:  # written while the prefill ran
+            return {}
         out = {}
         keys, values = prefill.keys, prefill.values
         if hasattr(keys, "host_items"):  # a prefill offloaded to the host (sekv_core/kv_offload.py): stored from there
@@ -77,3 +86,16 @@ class FullMethod(CacheMethod):
         keys = [store.get(f"full.k.{i}").to(shape.dtype) for i in range(shape.n_layers)]
         values = [store.get(f"full.v.{i}").to(shape.dtype) for i in range(shape.n_layers)]
         return FullMemory(GrowingKV.from_tensors(keys, values, device), shape)
+
+
+class FullStream(ChunkStream):
+    """full's pack tensors (``full.k.l`` / ``full.v.l`` [Hkv, N, d], the prefill's post-RoPE keys and values) written
+    while the prefill runs, a chunk's rows as it completes (sekv_core/chunk_stream.py): the same bytes compress()
+    would give."""
+
+    def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        s = self.shape
+        return {f"full.{kv}.{li}": (s.dtype, (s.n_kv_heads, self.n, s.head_dim)) for li in range(s.n_layers) for kv in "kv"}
+
+    def layer_rows(self, li: int, k: torch.Tensor, v: torch.Tensor, a: int, b: int) -> list[tuple[str, torch.Tensor]]:
+        return [(f"full.k.{li}", k), (f"full.v.{li}", v)]

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from ..sekv import compress, describe, gpu_step, layout, scout
+from ..sekv import compress, describe, gpu_step, layout, rope, scout, zoom_tier
 from ..sekv.host_copies import HostArena
 from ..sekv.memory import ZoomMemory
 from ..sekv.params import ABLATIONS, SekvParams
@@ -36,15 +37,30 @@ class SekvMethod(CacheMethod):
         """Host memory for the pack of an n_tokens document, prepared while the prefill runs (sekv/host_copies.py)."""
         self._arena = HostArena(compress.host_bound(n_tokens, shape, params), pinned)
 
+    def prefill_stream(self, params: SekvParams, shape: ModelShape, n_tokens: int):
+        """The zoom tier (sekv/zoom_tier.py TierStream): its rows made a prefill chunk at a time and written while the
+        prefill runs; compress then makes the rest (its parameters without the tier)."""
+        if params.zoom_tier == "factors":
+            return None
+        pre = params.key_space == "pre_rope" and rope.inv_freq_of(shape) is not None
+        stream = zoom_tier.TierStream(params.zoom_tier, shape, n_tokens, layout.store_dtype(params, shape.dtype), pre)
+        self._stream = stream  # compress hands its layers' final tensors to the same pack writer as it makes them
+        return stream, dataclasses.replace(params, zoom_tier="factors")
+
+    def _emit(self):
+        stream, self._stream = getattr(self, "_stream", None), None
+        live = stream is not None and stream.writer is not None and stream.writer.open  # not one an earlier ingest left
+        return stream.writer.submit_tensors if live else None
+
     def compress(self, prefill: PrefillResult, params: SekvParams):
         arena, self._arena = getattr(self, "_arena", None), None
         # compress_windows runs its many small tensor ops on one thread (intra-op threads cost more than they give
         # on a small CPU); the KVzip prior's model forwards keep the prefill's threads
-        return compress.compress(prefill, params, arena.take() if arena is not None else None)
+        return compress.compress(prefill, params, arena.take() if arena is not None else None, self._emit())
 
     def compress_windows(self, windows, params: SekvParams):
         arena, self._arena = getattr(self, "_arena", None), None
-        return compress.compress_windows(windows, params, arena.take() if arena is not None else None)
+        return compress.compress_windows(windows, params, arena.take() if arena is not None else None, self._emit())
 
     def open(self, store: TensorStore, params: SekvParams, shape: ModelShape, device) -> KVMemory:
         return ZoomMemory(store, params, shape, device)

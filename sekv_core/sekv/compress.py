@@ -211,15 +211,18 @@ def codec_configs(params: SekvParams) -> tuple[dict, dict]:
     return kcfg, vcfg
 
 
-def compress(prefill: PrefillResult, params: SekvParams, arena: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def compress(prefill: PrefillResult, params: SekvParams, arena: torch.Tensor | None = None, emit=None) -> dict[str, torch.Tensor]:
     """The pack's tensors (host memory) of a document prefilled at once; ``arena``: host memory to copy them into
     (sekv/host_copies.py).  The one-window case of :func:`compress_windows`."""
-    return compress_windows([prefill], params, arena)
+    return compress_windows([prefill], params, arena, emit)
 
 
-def compress_windows(windows, params: SekvParams, arena: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def compress_windows(windows, params: SekvParams, arena: torch.Tensor | None = None, emit=None) -> dict[str, torch.Tensor]:
     """The pack's tensors of a document given as window prefills (at global positions, one at a time): each window
-    compressed on its own (:func:`compress_window`), then merged (sekv/merge.py)."""
+    compressed on its own (:func:`compress_window`), then merged (sekv/merge.py).  ``emit(tensors)``: a document of
+    one window with coded factors hands each layer's final tensors that need no other layer (merge.final_layer) to
+    it as they are made, a callable that waits for their copy to the host and returns them (the pipelined ingest
+    writes them into the pack while compress goes on); they are left out of what this returns."""
     pieces, trained, lex, moments, rest = [], None, None, [], arena
     for prefill in windows:
         if not pieces:
@@ -229,7 +232,8 @@ def compress_windows(windows, params: SekvParams, arena: torch.Tensor | None = N
         # a window that is the whole document codes its factors where it makes them (merge passes them on)
         whole = not pieces and prefill.start == 0 and prefill.n_tokens == (prefill.doc_tokens or prefill.n_tokens)
         with fz.single_thread():  # many small tensor ops: intra-op threads cost more than they give (the prefill keeps them)
-            piece = compress_window(prefill, params, trained, rest, code=whole)
+            on = {"emit": emit} if whole and emit is not None else {}
+            piece = compress_window(prefill, params, trained, rest, code=whole, **on)
         rest = arena_after(rest, piece.arena_bytes)  # every window's results in the host arena, one after the other
         if params.prior == "kvzip":  # KVzip's reconstruction passes: model forwards, with the prefill's threads
             piece.tensors["prior.kvzip"] = prior.window_prior(prefill, params.layout_budget)
@@ -253,7 +257,8 @@ def arena_after(arena: torch.Tensor | None, used: int) -> torch.Tensor | None:
     return arena[o:] if o < arena.numel() else None
 
 
-def compress_window(prefill: PrefillResult, params: SekvParams, trained=None, arena: torch.Tensor | None = None, code: bool = False) -> merge.Piece:
+def compress_window(prefill: PrefillResult, params: SekvParams, trained=None, arena: torch.Tensor | None = None, code: bool = False,
+                    emit=None) -> merge.Piece:
     """One window's spans, full-resolution tokens, coarse entries, factors and key moments, on the host; global
     positions from prefill.start.  The factors are not yet coded (the merge codes the windows' together), unless
     ``code`` (the window is the whole document) and the pack codes them (params.coded): then they are coded where
@@ -266,7 +271,8 @@ def compress_window(prefill: PrefillResult, params: SekvParams, trained=None, ar
     dev = _device_of(prefill)
     if dev.type == "cuda":  # the prefill's cached blocks back to the driver: compress's own sizes, less fragmentation
         torch.cuda.empty_cache()
-    return _compress_window(prefill, params, trained, arena, dev, free_bytes(dev), code and params.coded)
+    code = code and params.coded
+    return _compress_window(prefill, params, trained, arena, dev, free_bytes(dev), code, emit if code else None)
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -275,7 +281,7 @@ def _out_of_memory(e: BaseException) -> bool:
 
 
 def _compress_window(prefill: PrefillResult, params: SekvParams, trained, arena: torch.Tensor | None, dev: torch.device,
-                     bound: int | None, code: bool = False) -> merge.Piece:
+                     bound: int | None, code: bool = False, emit=None) -> merge.Piece:
     shape = prefill.shape
     seg = segmentation(prefill, params)
     pos, sid = seg.span_tokens()
@@ -300,7 +306,7 @@ def _compress_window(prefill: PrefillResult, params: SekvParams, trained, arena:
         _progress("retry", bound=bound, group=p.group, span_chunks=len(p.chunks), profile_rows=p.profile_rows)
         return p
 
-    out = None
+    out, emitted = None, set()
     while out is None:
         try:
             out = _window_tensors(prefill, params, seg, todo.profile_rows)
@@ -341,7 +347,10 @@ def _compress_window(prefill: PrefillResult, params: SekvParams, trained, arena:
             if out is None:
                 todo = shrink()
                 continue
-            copies.submit(out)  # to the host while the next group computes; the device tensors go when they are there
+            landed = copies.submit(out)  # to the host while the next group computes; the device tensors go when they are there
+            if emit is not None and seg.n_spans:  # the group's final tensors into the pack as soon as they are on the host
+                emit(lambda landed=landed, layers=range(l0, l1): {k: v for li in layers for k, v in merge.final_layer(landed(), li, params).items()})
+                emitted.update(range(l0, l1))
             host.update({k: t for k, t in out.items() if t.device.type == "cpu"})
             copies.wait(todo.in_flight)
             del out
@@ -350,7 +359,7 @@ def _compress_window(prefill: PrefillResult, params: SekvParams, trained, arena:
     except BaseException:
         copies.wait(0)  # nothing still writing into the arena when the error propagates
         raise
-    piece = merge.Piece(prefill.start, prefill.n_tokens, seg, to_host(host, copies), copies.off)
+    piece = merge.Piece(prefill.start, prefill.n_tokens, seg, to_host(host, copies), copies.off, emitted)
     _progress("window_done")
     return piece
 

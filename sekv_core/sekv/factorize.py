@@ -394,8 +394,9 @@ def reconstruct_all(f: Factors, span_len: torch.Tensor, d: int) -> torch.Tensor:
     """Every span's reconstruction [Hkv, T, d] float32 (reference / tests; the runtime gathers subsets)."""
     hkv, s = f.rank.shape
     lay = Layout.of(f, span_len, d)
-    g = torch.arange(hkv).repeat_interleave(s)
-    i = torch.arange(s).repeat(hkv)
+    dev = span_len.device
+    g = torch.arange(hkv, device=dev).repeat_interleave(s)
+    i = torch.arange(s, device=dev).repeat(hkv)
     rows = expand(gather(f, lay, span_len, g, i, d), d)
-    valid = torch.arange(rows.shape[1]).view(1, -1) < span_len.long()[i].view(-1, 1)
+    valid = torch.arange(rows.shape[1], device=dev).view(1, -1) < span_len.long()[i].view(-1, 1)
     return rows[valid].view(hkv, -1, d)

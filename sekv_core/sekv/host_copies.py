@@ -57,9 +57,11 @@ class HostCopies:
         self.off = o + nb
         return self.arena[o : o + nb].view(t.dtype).view(t.shape)
 
-    def submit(self, out: dict[str, torch.Tensor]) -> None:
+    def submit(self, out: dict[str, torch.Tensor]):
+        """Start the copies of ``out``'s device tensors; returns a callable that waits for them and gives ``out`` on
+        the host (what the pipelined ingest writes into the pack as compress goes, sekv/compress.py)."""
         if not self.on:
-            return
+            return lambda: dict(out)
         todo = {k: t for k, t in out.items() if k not in self.done and t.device.type != "cpu"}
         self.done.update(todo)
         ev = torch.cuda.Event()
@@ -85,6 +87,8 @@ class HostCopies:
             done.record(self.stream)
         self.jobs.append(got)
         nbytes = sum(t.numel() * t.element_size() for t in todo.values())
+        cpu = {k: t for k, t in out.items() if t.device.type == "cpu"}
+        job = None
         if rest or slots:
 
             def work():
@@ -92,10 +96,17 @@ class HostCopies:
                     host = {k: dst.copy_(t) for k, (dst, t) in slots.items()}
                     return host | {k: t.to("cpu") for k, t in rest.items()}
 
-            self.jobs.append(self.pool.submit(work))
-            self.pending.append((nbytes, self.jobs[-1]))
+            job = self.pool.submit(work)
+            self.jobs.append(job)
+            self.pending.append((nbytes, job))
         else:
             self.pending.append((nbytes, done))
+
+        def result() -> dict[str, torch.Tensor]:
+            done.synchronize()
+            return cpu | got | (job.result() if job is not None else {})
+
+        return result
 
     def wait(self, limit: int | None) -> None:
         """Block until the device tensors still on their way to the host take ``limit`` bytes at most (None: never

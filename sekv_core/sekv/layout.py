@@ -17,7 +17,8 @@
   fk.l.* / fv.l.*  key / value factors (sekv/factorize.py); with factor_bits 4 coded at rest (sekv/codec.py,
                    factor_codec [4-5] int64, + factor_codec.fv where the values' code differs), decoded to int8 at open
   zoom.idx [P] int64, zoom.k.l / zoom.v.l [Hkv, P, d] store dtype, or int8 with zoom.ks.l / zoom.vs.l [Hkv, P]
-                   float16: the zoom tier, every span token's own K (pre-RoPE where the factors are) and V, what a
+                   float16: the zoom tier, every span token's (the pipelined ingest: every token's) own K (pre-RoPE
+                   where the factors are) and V, what a
                    zoomed block holds (sekv/zoom_tier.py)
   factor_segments [K+1] int64: a pack `sekv add` extended, its coded factors in K segments of spans (sekv/codec.py)
 """
@@ -179,9 +180,11 @@ def validate(store, shape, n_tokens: int, factors_only: bool = False) -> None:
     hkv, d, T_ = shape.n_kv_heads, shape.head_dim, int(n.sum())
     if factors_only:  # the factor blocks' build reads no zoom tier
         pass
-    elif "sekv.zoom.idx" in names:  # the zoom tier (sekv/zoom_tier.py): every span token, in order, its rows per layer
-        if dims["P"] != T_ or not torch.equal(store.get("sekv.zoom.idx"), span_token_index(start, end)[0]):
-            raise _bad("tensor 'sekv.zoom.idx' is not the spans' tokens")
+    elif "sekv.zoom.idx" in names:  # the zoom tier (sekv/zoom_tier.py): every span token at least, in order, its rows per layer
+        idx, pos = store.get("sekv.zoom.idx"), span_token_index(start, end)[0]
+        at = torch.searchsorted(idx, pos).clamp_max(max(dims["P"] - 1, 0))
+        if dims["P"] < T_ or (T_ and not torch.equal(idx[at], pos)):
+            raise _bad("tensor 'sekv.zoom.idx' does not cover the spans' tokens")
         int8 = "sekv.zoom.ks.0" in names
         check_tensors(store, [
             T("sekv.zoom.k.{l}", ("int8",) if int8 else FLOATS, ("Hkv", "P", "d")),  # not read at open: its sha256 when first zoomed

@@ -11,7 +11,7 @@ exactly the tensors of compressing it at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,7 @@ class Piece:
     seg: Segmentation
     tensors: dict[str, torch.Tensor]
     arena_bytes: int = 0  # of the host arena it was given (sekv/host_copies.py), the bytes its tensors took
+    emitted: set = field(default_factory=set)  # layers whose final_layer() tensors were handed on already (written)
 
 
 def merge_factors(parts: list[tuple[dict[str, torch.Tensor], torch.Tensor]], d: int) -> fz.Factors:
@@ -60,6 +61,25 @@ def merge_factors(parts: list[tuple[dict[str, torch.Tensor], torch.Tensor]], d: 
             heads = len(pieces[k][0])
             out[k] = torch.cat([p[g] for g in range(heads) for p in pieces[k]])
     return fz.Factors(out["us"], out["vt"], out["rank"], out["us_scale"], out["vt_scale"])
+
+
+def final_layer(t: dict[str, torch.Tensor], li: int, params: SekvParams) -> dict[str, torch.Tensor]:
+    """Layer li's pack tensors that need no other layer, of a whole document compressed as one window with its factors
+    coded there (compress._code_factors): the full-resolution tokens, coarse entries (keys in the store dtype) and
+    factor codes with their row scales coded (codec.code_scales).  What :func:`merge` makes of them; the pipelined
+    ingest writes them as compress makes them (compress_windows's ``emit``)."""
+    from .compress import codec_configs
+
+    sdt = t[f"full.k.{li}"].dtype
+    out = {f"sekv.full.{kv}.{li}": t[f"full.{kv}.{li}"] for kv in "kv"}
+    out[f"sekv.coarse.k.{li}"] = t[f"coarse.k.{li}"].to(sdt)
+    out[f"sekv.coarse.v.{li}"] = t[f"coarse.v.{li}"]
+    for kind, cfg in zip(("fk", "fv"), codec_configs(params)):
+        names = codec.code_names(cfg["levels"]) + ("vt.lead", "rank")
+        coded = {n: t[f"{kind}.{li}.{n}"] for n in names}
+        coded.update(codec.code_scales({n: t[f"{kind}.{li}.{n}"] for n in ("us_scale", "vt_scale")}, cfg["scales"]))
+        out.update({f"sekv.{kind}.{li}.{n}": v for n, v in coded.items()})
+    return out
 
 
 def merge(pieces: list[Piece], moments: list[torch.Tensor], params: SekvParams, shape: ModelShape, n_tokens: int, lex_terms: torch.Tensor | None, trained,
@@ -115,8 +135,20 @@ def merge(pieces: list[Piece], moments: list[torch.Tensor], params: SekvParams, 
     dirs = router.pca_directions(torch.stack(moments).to(dev), n_tokens, params.d_r)
     span_len = seg.span_len
     lens = [p.seg.span_len for p in pieces]
+    emitted = pieces[0].emitted if len(pieces) == 1 else set()
     for li in range(L):
         t = [p.tensors for p in pieces]
+        if li in emitted:  # its final_layer() tensors are written already; the router is made from its span means here
+            kbar = t[0][f"coarse.k.{li}"]
+            ref = kbar if seg.n_spans else t[0][f"keys.{li}"]
+            for k in [k for k in t[0] if f".{li}." in f".{k}." and not k.startswith("zoom.")]:
+                del t[0][k]
+            wl = router.pca_scaled(dirs[li], ref.to(dev)).cpu()
+            out[f"sekv.router.w.{li}"] = wl.to(sdt)
+            out[f"sekv.router.norm.{li}"] = router.span_norms(wl, kbar.to(sdt))
+            if on_layer is not None:
+                on_layer(li)
+            continue
         for kv in "kv":
             out[f"sekv.full.{kv}.{li}"] = _cat([x.pop(f"full.{kv}.{li}") for x in t], 1)
         for part in zoom_tier.LAYER_PARTS:

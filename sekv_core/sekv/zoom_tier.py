@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..chunk_stream import ChunkStream
 from .blocks import device_view
 
 TIERS = ("factors", "int8", "exact")
@@ -165,3 +166,55 @@ class ZoomTier:
         k = got[:, : d * isz].contiguous().view(self.dtype)
         v = got[:, d * isz : 2 * d * isz].contiguous().view(self.dtype)
         return hit, k.to(self.shape.dtype), v.to(self.shape.dtype)
+
+
+class TierStream(ChunkStream):
+    """The zoom tier made while the prefill runs and written into the pack as it goes (sekv_core/chunk_stream.py).
+    It covers every document token (``zoom.idx`` = 0..N-1): which tokens the spans take is known only after the
+    prefill (the segmentation's statistics are the whole document's), and the rows of the few tokens kept at full
+    resolution (sinks, anchors, the recent window) are never read.  Each row is made by the arithmetic of
+    :func:`window_tensors` (RoPE's cos / sin of its position made on the host, undone on the device, one scale a
+    row), so a span token's row is bit for bit the sequential path's."""
+
+    def __init__(self, kind: str, shape, n_tokens: int, sdt: torch.dtype, pre_rope: bool):
+        from . import rope
+
+        super().__init__(shape, n_tokens)
+        self.kind, self.sdt = kind, sdt
+        self.inv = rope.inv_freq_of(shape) if pre_rope else None
+        self.parts = ("k", "ks", "v", "vs") if kind == "int8" else ("k", "v")
+        self._cs: dict = {}  # (a, device) -> RoPE's cos / sin of the chunk's positions there
+
+    def tensors(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        hkv, d, out = self.shape.n_kv_heads, self.shape.head_dim, {}
+        for li in range(self.shape.n_layers):
+            for p in self.parts:
+                scale = p.endswith("s")
+                dt = torch.float16 if scale else torch.int8 if self.kind == "int8" else self.sdt
+                out[f"sekv.zoom.{p}.{li}"] = (dt, (hkv, self.n) if scale else (hkv, self.n, d))
+        return out
+
+    def layer_rows(self, li: int, k: torch.Tensor, v: torch.Tensor, a: int, b: int) -> list[tuple[str, torch.Tensor]]:
+        from . import rope
+
+        kx = k.float()
+        if self.inv is not None:  # as compress's rot: cos / sin on the host, rounded through k's dtype
+            key = (a, k.device)
+            if key not in self._cs:
+                c, s = rope.cos_sin(torch.arange(a, b), self.inv, self.shape.rope_attention_scaling, dtype=k.dtype)
+                if k.device.type == "cuda":  # page-locked first: a pageable copy would wait for the prefill's kernels
+                    c, s = c.pin_memory(), s.pin_memory()
+                self._cs = {key: (c.to(k.device, non_blocking=True), s.to(k.device, non_blocking=True))}
+            kx = rope.undo(kx, *self._cs[key])
+        out = []
+        for name, x in (("k", kx), ("v", v)):
+            if self.kind == "exact":
+                out.append((f"sekv.zoom.{name}.{li}", x.to(self.sdt)))
+            else:
+                q, sc = quantize_rows(x)
+                out += [(f"sekv.zoom.{name}.{li}", q), (f"sekv.zoom.{name}s.{li}", sc)]
+        return out
+
+    def finish_tensors(self) -> dict[str, torch.Tensor]:
+        """The covered tokens' index (every document token)."""
+        return {"sekv.zoom.idx": torch.arange(self.n, dtype=torch.long)}
