@@ -266,6 +266,9 @@ def summarize(rec: dict) -> dict:
         "captures": a0.get("captures"),
         "capture_s": g("graph_capture"),
         "ask_gpu_peak_gib": (st.get("gpu_peak_bytes") or 0) / GIB,
+        # each chat question's own GPU peak (generate resets the peak at every question: the first one's includes
+        # the resident buffers' first growth, a later one's is the steady state)
+        "chat_gpu_peak_gib": [round((x["stats"].get("gpu_peak_bytes") or 0) / GIB, 2) for x in chat_asks],
         "weights_gib": gpu.get("weights_bytes", 0) / GIB,
         "ask_rss_gib": ask.get("max_rss_bytes", 0) / GIB,
         "found": ask.get("found"),
@@ -295,7 +298,8 @@ COLS = [
     ("tok_per_s", "tok/s", "{:.1f}"), ("captures", "capt", "{}"), ("ask_gpu_peak_gib", "GPU GiB", "{:.2f}"),
     ("weights_gib", "weights", "{:.2f}"), ("ask_rss_gib", "RSS GiB", "{:.2f}"), ("found", "found", "{}"),
     ("chat_ttft_s", "chat TTFT", "{}"), ("chat_scout_s", "chat scout", "{}"), ("chat_wait_s", "chat wait", "{}"), ("chat_first_forward_s", "chat 1st fwd", "{}"),
-    ("chat_capture_s", "chat capture", "{}"), ("chat_tok_per_s", "chat tok/s", "{}"), ("chat_found", "chat found", "{}"),
+    ("chat_capture_s", "chat capture", "{}"), ("chat_tok_per_s", "chat tok/s", "{}"), ("chat_gpu_peak_gib", "chat GPU GiB", "{}"),
+    ("chat_found", "chat found", "{}"),
 ]
 
 

@@ -139,17 +139,17 @@ def test_cuda_blocks_kept_on_the_device_then_pinned_answer_the_same(monkeypatch)
     """On CUDA the build started before the open keeps its layers in device memory (the first question gathers from
     there: no page-locking before it) and the memory's pinning moves them to pinned host memory, read through their
     mapped (UVA) view; the first question's logits, later questions' and graphed decoding steps' all equal those of a
-    memory whose blocks were pinned from the start (DEVICE_SHARE 0)."""
+    memory whose blocks were pinned from the start (KEEP_SHARE 0, the default)."""
     from sekv_core.generate import generate
 
     model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.5, min_span=10)
     gmodel = tiny("qwen2").cuda()
     gmodel.load_state_dict(model.state_dict())
     runtime.install(gmodel)
-    monkeypatch.setattr(gpu_step, "DEVICE_SHARE", 0.0)
+    monkeypatch.setattr(gpu_step, "KEEP_SHARE", 0.0)
     pinned = _batched(store, p, res, "cuda")
     pinned._step()  # its build (a thread) read the share
-    monkeypatch.setattr(gpu_step, "DEVICE_SHARE", 0.10)
+    monkeypatch.setattr(gpu_step, "KEEP_SHARE", 100.0)  # of the document's full KV: every layer
     gpu_step.start_blocks(store, res.shape, pinned.res.n_doc, "cuda")
     kept = _batched(store, p, res, "cuda")
     assert kept._early
@@ -177,10 +177,10 @@ def test_cuda_blocks_kept_on_the_device_then_pinned_answer_the_same(monkeypatch)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_kept_blocks_stay_within_their_share(monkeypatch):
-    """The build keeps layers on the device only while they fit DEVICE_SHARE of its memory; the rest are pinned as
-    before (a share smaller than one layer's blocks: none kept, no pinning object)."""
+    """The build keeps layers on the device only while they fit KEEP_SHARE of the document's full KV; the rest are
+    page-locked by the build (a share smaller than one layer's blocks: none kept, no pinning object)."""
     model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.5, min_span=10)
-    monkeypatch.setattr(gpu_step, "DEVICE_SHARE", 1e-12)
+    monkeypatch.setattr(gpu_step, "KEEP_SHARE", 1e-12)
     gpu_step.start_blocks(store, res.shape, len(ids), "cuda")
     m = _batched(store, p, res, "cuda")
     m._step()

@@ -45,9 +45,9 @@ def test_summary_row_splits_the_process_time():
 def test_summary_row_splits_each_questions_ttft():
     """The chat's questions: the scout, the factor blocks' wait, the first forward and the captures of each."""
     asks = [{"wall_s": 2.0, "scout_s": 1.0, "blocks_wait_s": 0.25, "capture_s": 0.5, "captures": 1, "answer": "7",
-             "stats": {"ttft_s": 1.5, "scout_s": 0.9, "first_forward_s": 0.5, "tokens_per_s": 50.0}},
+             "stats": {"ttft_s": 1.5, "scout_s": 0.9, "first_forward_s": 0.5, "tokens_per_s": 50.0, "gpu_peak_bytes": 3 << 30}},
             {"wall_s": 0.5, "scout_s": 0.1, "blocks_wait_s": 0.0, "capture_s": 0.0, "captures": 0, "answer": "8",
-             "stats": {"ttft_s": 0.2, "scout_s": 0.1, "first_forward_s": 0.05, "tokens_per_s": 60.0}}]
+             "stats": {"ttft_s": 0.2, "scout_s": 0.1, "first_forward_s": 0.05, "tokens_per_s": 60.0, "gpu_peak_bytes": 2 << 30}}]
     probe = {"wall_s": 9.0, "phases": {}, "asks": asks}
     rec = {"doc": "d", "tokens": 10, "method": "sekv", "ingest": {"rc": 0, "wall_s": 9.0}, "ask": {"rc": None, "skipped": "--no-ask"},
            "chat": {"rc": 0, "wall_s": 9.5, "probe": probe, "found": [True, False]}}
@@ -55,6 +55,7 @@ def test_summary_row_splits_each_questions_ttft():
     assert row["first_forward_s"] == 0.5 and row["ttft_s"] == 1.5
     assert row["chat_first_forward_s"] == [0.5, 0.05] and row["chat_wait_s"] == [0.25, 0.0] and row["chat_capture_s"] == [0.5, 0.0]
     assert "chat 1st fwd" in gpu_cli.table([row]).splitlines()[0]
+    assert row["ask_gpu_peak_gib"] == 3.0 and row["chat_gpu_peak_gib"] == [3.0, 2.0]  # each question's own peak
 
 
 def test_compact_table_ranks_operators_and_names_the_ranges():

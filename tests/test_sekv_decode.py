@@ -144,7 +144,7 @@ def test_cuda_batched_and_graphed_steps_match_cpu_reference(monkeypatch):
     """On CUDA: the batched step (UVA fetch: blocks pinned from the start, none kept on the device) against the CPU
     reference."""
     _same_cap(monkeypatch)
-    monkeypatch.setattr(gpu_step, "DEVICE_SHARE", 0.0)
+    monkeypatch.setattr(gpu_step, "KEEP_SHARE", 0.0)
     from test_sekv_method import tiny
 
     for params in (EXACT, {"budget": 0.5, "min_span": 10}):

@@ -168,33 +168,96 @@ def to_host(words: torch.Tensor, pin: bool, non_blocking: bool = False) -> torch
     """A copy of the block words in host memory, page-locked where ``pin`` (non_blocking: the copy from the device
     is left in flight on the current stream)."""
     host = page_locked(words.numel()) if pin else torch.empty(words.numel(), dtype=torch.int64)
-    host.copy_(words, non_blocking=non_blocking)
+    copy_pieces(host, words, non_blocking=non_blocking)
     return host
+
+
+def copy_pieces(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+    """dst.copy_(src) for 1-D tensors of the same size, one of them page-locked by :func:`page_locked`: in pieces
+    that each stay inside one of its registrations (:func:`pieces`), so every piece is a direct DMA copy."""
+    host = dst if dst.device.type == "cpu" else src
+    for a, b in pieces(host, 0, host.numel()):
+        dst[a:b].copy_(src[a:b], non_blocking=non_blocking)
 
 
 #: page-lock block words at their own size (:func:`page_locked`); False: torch's pinned allocator
 EXACT_PINNING = True
+
+#: :func:`page_locked` registers memory in pieces of at most this many bytes, cut at addresses that are multiples of
+#: it (page-aligned: no page in two pieces): page-locking holds the CUDA driver for its whole call (2.8 GB/s on the
+#: H200), so another thread's CUDA call (the model load's copies, a question's launches) waits one piece at most
+#: (64 MiB: ~25 ms), not a whole layer's blocks.  Copies to and from such memory go piece by piece (copy_pieces).
+PIN_PIECE = 64 << 20
+
+
+def pieces(t: torch.Tensor, a: int, b: int) -> list[tuple[int, int]]:
+    """The element ranges [a, b) of the 1-D tensor t split where its addresses cross a multiple of PIN_PIECE."""
+    if b <= a:
+        return []
+    es, base = t.element_size(), t.data_ptr()
+    out, x = [], a
+    while x < b:
+        nxt = ((base + x * es) // PIN_PIECE + 1) * PIN_PIECE  # the next boundary's address
+        y = min(b, max(x + 1, (nxt - base) // es))
+        out.append((x, y))
+        x = y
+    return out
 
 
 def page_locked(n: int) -> torch.Tensor:
     """int64 [n] in page-locked host memory.  torch's pinned allocator rounds every allocation up to a power of two
     (one layer's 284 MiB of blocks would lock 512 MiB) and faults the pages in inside the CUDA call, which holds the
     driver; here ordinary memory is allocated and every page touched first (CPU work, no CUDA call), then registered
-    with CUDA at its own size (cudaHostRegister; unregistered when the tensor goes).  Falls back to torch's pinned
-    allocator where registering fails."""
+    with CUDA at its own size, in pieces of PIN_PIECE (cudaHostRegister, portable and mapped: under unified
+    addressing each piece is read by the device at its host address, so the pieces read as one range; unregistered
+    when the tensor goes).  Falls back to torch's pinned allocator where registering fails."""
     if EXACT_PINNING and n and torch.cuda.is_available():
         t = torch.zeros(n, dtype=torch.int64)
         rt = torch.cuda.cudart()
-        try:  # portable and mapped (1 | 2): every device reads it through the same pointer (UVA, device_view)
-            ok = int(rt.cudaHostRegister(t.data_ptr(), n * 8, 3)) == 0
-        except Exception:  # noqa: BLE001 - a runtime without the binding
-            ok = False
+        done: list[int] = []
+        ok = True
+        for a, b in pieces(t, 0, n):
+            p = t.data_ptr() + 8 * a
+            try:  # portable and mapped (1 | 2): every device reads it through the same pointer (UVA, device_view)
+                ok = int(rt.cudaHostRegister(p, 8 * (b - a), 3)) == 0
+            except Exception:  # noqa: BLE001 - a runtime without the binding
+                ok = False
+            if not ok:
+                break
+            done.append(p)
         if ok and t.is_pinned():
-            weakref.finalize(t, rt.cudaHostUnregister, t.data_ptr()).atexit = False
+            weakref.finalize(t, _unregister, rt, done).atexit = False
             return t
-        if ok:
-            rt.cudaHostUnregister(t.data_ptr())
+        _unregister(rt, done)
     return torch.empty(n, dtype=torch.int64, pin_memory=True)
+
+
+def _unregister(rt, ptrs: list[int]) -> None:
+    for p in ptrs:
+        rt.cudaHostUnregister(p)
+
+
+class Locker:
+    """Page-locked host memory (:func:`page_locked`) made on a thread of its own, so that the build's device work
+    (decoding and re-laying the next layers) runs beside the page-locking: ``submit(n)`` -> a future of int64 [n]."""
+
+    def __init__(self, device):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.device = torch.device(device)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="sekv-lock")
+
+    def submit(self, n: int):
+        return self.pool.submit(self._lock, n)
+
+    def _lock(self, n: int) -> torch.Tensor:
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):  # a thread's CUDA calls go to device 0 unless told: no context there
+                return page_locked(n)
+        return torch.empty(n, dtype=torch.int64)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
 
 
 def _al_i(x: int) -> int:

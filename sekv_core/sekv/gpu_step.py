@@ -43,37 +43,64 @@ from .scout import Ranking
 SCOUT_CHUNK_BYTES = 64 << 20
 
 
-#: BlockBuild on one CUDA device: the share of the device's memory the factor blocks may keep there after their
-#: build, and the share that must stay free beside them.  The first question then gathers from them at once instead
-#: of waiting for every layer's page-locking (2.8 GB/s on the H200, holding the driver: docs/gpu.md); they move to
-#: pinned host memory in a pause between questions (sekv/blocks.py HostPinning).  0: pinned from the start.
-DEVICE_SHARE = 0.10
+#: BlockBuild on one CUDA device: the factor blocks that may stay in device memory after their build, as a share of
+#: the document's full KV bytes (not of the device: the ask's device memory beyond the weights is the budget, these,
+#: and the step's bounded transients; docs/gpu.md "Device memory during an ask"), while FREE_SHARE of the device
+#: stays free beside them.  The rest are page-locked by the build itself, on a thread of its own and in pieces
+#: (blocks.Locker, blocks.PIN_PIECE) beside the device's decoding of the next layers, from the pack's read on (in
+#: `sekv ask` / `chat`: while the model loads), and the scout streams them from there (BatchedStep.scout_masses).
+#: Kept layers move to pinned host memory in pauses between questions (sekv/blocks.py HostPinning).
+KEEP_SHARE = 0.0
 FREE_SHARE = 0.25
+
+#: the build's layers that may wait on the device for their page-locked host memory (the device's decoding runs
+#: ahead of the page-locking by at most this many layers' blocks)
+LOCK_AHEAD = 2
 
 
 def build_blocks(res: Residents, keep: float = 0.0) -> list[fb.Blocks]:
     """Every layer's factor blocks (sekv/blocks.py): the factors decoded and re-laid on the accelerator, kept in
     pinned host memory there; on a model placed across devices, each layer's on its layer's device.  ``keep``: on
-    one CUDA device, layers stay in device memory (``words`` there) while all kept take at most this share of it
-    and FREE_SHARE of it stays free."""
+    one CUDA device, layers stay in device memory (``words`` there) while all kept take at most this share of the
+    document's full KV bytes and FREE_SHARE of the device stays free."""
     if res.split:
         return _build_blocks_per_layer(res)
     wd = res.device if res.cuda else None
     total = torch.cuda.mem_get_info(res.device)[1] if res.cuda and keep > 0 else 0
+    allow = keep * res.n_doc * res.shape.kv_bytes_per_token()
     out, kept = [], 0
-    for i in range(res.shape.n_layers):
-        b = fb.build(res.factors.on_device(i), res.span_len, res.shape.head_dim, res.device, pin=res.cuda, work_device=wd,
-                     r_max=res.factors.rank_max(i), wait=not res.cuda, keep=res.cuda)
-        if res.cuda:
+    locker = fb.Locker(res.device) if res.cuda else None
+    waiting: list = []  # (layer's blocks on the device, the future of its page-locked host memory)
+    try:
+        for i in range(res.shape.n_layers):
+            b = fb.build(res.factors.on_device(i), res.span_len, res.shape.head_dim, res.device, pin=res.cuda, work_device=wd,
+                         r_max=res.factors.rank_max(i), wait=not res.cuda, keep=res.cuda)
+            out.append(b)
+            if not res.cuda:
+                continue
             n = b.words.numel() * 8
-            if total and kept + n <= keep * total and torch.cuda.mem_get_info(res.device)[0] >= FREE_SHARE * total:
+            if kept + n <= allow and torch.cuda.mem_get_info(res.device)[0] >= FREE_SHARE * total:
                 kept += n
-            else:  # to pinned memory, the copy left in flight
-                fb.move_to_host(b, res.device, pin=True, non_blocking=True)
-        out.append(b)
-    if res.cuda:  # every layer's copy to pinned memory was left in flight: one wait for all of them (and the kept ones')
+                continue
+            waiting.append((b, locker.submit(b.words.numel())))
+            while waiting and (waiting[0][1].done() or len(waiting) > LOCK_AHEAD):
+                _to_locked(*waiting.pop(0), res.device)
+        for w in waiting:
+            _to_locked(*w, res.device)
+    finally:
+        if locker is not None:
+            locker.close()
+    if res.cuda:  # every layer's copy to pinned memory was left in flight: one wait for all of them
         torch.cuda.current_stream(res.device).synchronize()
     return out
+
+
+def _to_locked(b: fb.Blocks, host, device) -> None:
+    """A layer's blocks copied from the device into their page-locked host memory (a future), the copy left in flight
+    on the current stream; the device copy is dropped (its memory reused after the copy, on that stream)."""
+    host = host.result()
+    fb.copy_pieces(host, b.words, non_blocking=True)
+    fb.install(b, host, torch.device(device))
 
 
 def _build_blocks_per_layer(res: Residents) -> list[fb.Blocks]:
@@ -156,8 +183,9 @@ class BlockBuild:
     """:func:`build_blocks` on a second thread, started when the pack opens, so that the first question finds the
     blocks made (or waits only for the rest) instead of building them inside its scout pass: in `sekv chat` they
     are made while the question is typed, in `sekv ask` while the question is prepared (:func:`start_blocks`: from
-    the pack's read, while the model loads).  On one CUDA device the layers stay in device memory (up to
-    DEVICE_SHARE of it) and ``pinning`` moves them to pinned host memory later.  ``result()`` joins; an
+    the pack's read, while the model loads).  On one CUDA device layers stay in device memory up to KEEP_SHARE of the
+    document's full KV (none by default; the rest page-locked by the build) and ``pinning`` moves them to pinned host
+    memory later.  ``result()`` joins; an
     error of the build (a damaged pack) is raised there, in the first forward, where it was raised before."""
 
     def __init__(self, res):
@@ -178,7 +206,7 @@ class BlockBuild:
                 res = res()
             # as inside the forward that would otherwise build them; a thread starts on the first GPU: the pack's
             with torch.inference_mode(), (torch.cuda.device(res.device) if res.cuda else contextlib.nullcontext()):
-                blocks = build_blocks(res, keep=DEVICE_SHARE if res.cuda and not res.split else 0.0)
+                blocks = build_blocks(res, keep=KEEP_SHARE if res.cuda and not res.split else 0.0)
             kept = [i for i, b in enumerate(blocks) if b.words.device.type != "cpu"]
             self.pinning = fb.HostPinning(blocks, kept, res.device) if kept else None
             self._blocks = blocks
@@ -222,10 +250,10 @@ _EARLY: dict[int, tuple[object, torch.device, "BlockBuild"]] = {}
 class _Source:
     """What build_blocks reads of a Residents, made from the pack alone (the manifest's attention shape)."""
 
-    def __init__(self, store, shape, device):
+    def __init__(self, store, shape, device, n_doc: int = 0):
         from . import layout
 
-        self.device, self.shape = device, shape
+        self.device, self.shape, self.n_doc = device, shape, n_doc
         self.cuda = device.type == "cuda"
         self.split = False  # started only for a model on one device (Session.open)
         self.span_len = (store.get("sekv.span_end") - store.get("sekv.span_start")).long()
@@ -245,7 +273,7 @@ def start_blocks(store, shape, n_tokens: int, device) -> None:
         from . import layout
 
         layout.validate(store, shape, n_tokens, factors_only=True)
-        return _Source(store, shape, device)
+        return _Source(store, shape, device, n_tokens)
 
     _EARLY[id(store)] = (store, device, BlockBuild(source))
 
@@ -517,49 +545,63 @@ class BatchedStep:
 
     # -- the scout pass -------------------------------------------------------------------------------------
 
-    def scout_masses(self, qs: list[torch.Tensor], exact: list[torch.Tensor], scaling: float) -> torch.Tensor:
+    @staticmethod
+    def scout_exact(q: torch.Tensor, exact: torch.Tensor, scaling: float) -> torch.Tensor:
+        """One layer's part of the scout pass that reads its full-resolution keys, made in its forward: the logsumexp
+        of the question's queries q [Hkv, M, d] (float32) over the keys exact [Hkv, F+A, d] -> [Hkv, M].  Only this is
+        kept for :meth:`scout_masses` (not every layer's keys and their scores at once: at 128K tokens those were
+        hundreds of MiB alive at the scout's start)."""
+        return torch.logsumexp(torch.matmul(q, exact.float().transpose(-1, -2)) * scaling, dim=-1)
+
+    def scout_masses(self, qs: list[torch.Tensor], others: list[torch.Tensor], scaling: float) -> torch.Tensor:
         """The scout pass's attention masses of every zoom block, for all layers at once (after the question's
-        forward): qs / exact per layer, the question's queries [Hkv, M, d] (float32) and the layer's full-resolution
-        keys [Hkv, F+A, d] -> [L, n_blocks] (:func:`scout.block_masses` of each layer).
+        forward): qs / others per layer, the question's queries [Hkv, M, d] (float32) and their logsumexp over the
+        layer's full-resolution keys [Hkv, M] (:meth:`scout_exact`) -> [L, n_blocks] (:func:`scout.block_masses` of
+        each layer).
 
         Nothing here depends on the previous layer, so layers are batched: a chunk of layers (or of one layer's
         (group, span) factor blocks, at long contexts) is rebuilt, rotated and scored together, its float32 work
-        tensors near SCOUT_CHUNK_BYTES each.  The per-layer work is only the view of its blocks and their
-        dequantisation (each layer has its own ranks); rotation tables, logits, the segmented logsumexp and the
-        masses run once per chunk.  On a model placed across devices the layers of each device are scored together
-        there, and their masses ([layers, n_blocks] a device) gathered on the ranking's device: no host sync."""
+        tensors near SCOUT_CHUNK_BYTES each (at most three of them alive); blocks in host memory are streamed a chunk
+        at a time (ScoutRows).  The per-layer work is only the view of its blocks and their dequantisation (each layer
+        has its own ranks); rotation tables, logits, the segmented logsumexp and the masses run once per chunk.  On a
+        model placed across devices the layers of each device are scored together there, and their masses ([layers,
+        n_blocks] a device) gathered on the ranking's device: no host sync."""
         if not self.res.split:
-            return self._scout_masses(self.res, list(range(self.L)), qs, exact, scaling)
+            return self._scout_masses(self.res, list(range(self.L)), qs, others, scaling)
         home, parts = self.res.device, []
         for dev, layers in device_groups(self.res.layer_devices):
-            m = self._scout_masses(self.res.at(dev), layers, [qs[i] for i in layers], [exact[i] for i in layers], scaling)
+            m = self._scout_masses(self.res.at(dev), layers, [qs[i] for i in layers], [others[i] for i in layers], scaling)
             parts.append((layers, m.to(home, non_blocking=home.type == "cuda")))
         out = torch.empty(self.L, parts[0][1].shape[1], dtype=parts[0][1].dtype, device=home)
         for layers, m in parts:
             out[torch.tensor(layers, device=home)] = m
         return out
 
-    def _scout_masses(self, r: Residents, ids: list[int], qs: list[torch.Tensor], exact: list[torch.Tensor], scaling: float) -> torch.Tensor:
-        """:meth:`scout_masses` of the layers ``ids`` (on r's device; qs / exact theirs, in order) -> [len(ids), n_blocks]."""
+    def _scout_masses(self, r: Residents, ids: list[int], qs: list[torch.Tensor], others: list[torch.Tensor], scaling: float) -> torch.Tensor:
+        """:meth:`scout_masses` of the layers ``ids`` (on r's device; qs / others theirs, in order) -> [len(ids), n_blocks]."""
         S, L = r.n_spans, len(ids)
         q_all = torch.stack(qs)  # [L, Hkv, M, d]
-        other = torch.logsumexp(torch.matmul(q_all, torch.stack(exact).float().transpose(-1, -2)) * scaling, dim=-1)  # [L, Hkv, M]
+        other = torch.stack(others)  # [L, Hkv, M]
         n_pairs, n_max = self.hkv * S, max(b.n_max for b in self.blocks)
         pairs, n_layers = self._scout_chunk(n_pairs, 4 * n_max * max(self.d, q_all.shape[2], 2 * max(b.r_max for b in self.blocks)))
         tables = dict(self._scout_tables(r, n_max))
         if r.pre_rope:  # every row's rotation once for the pass where it is small, else a chunk's at a time
             pos = tables["pos"]
-            if 8 * pos.numel() * self.d <= SCOUT_CHUNK_BYTES:
-                cos, sin = rope.cos_sin(pos.flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype)
+            if 4 * pos.numel() * self.d <= SCOUT_CHUNK_BYTES:
+                cos, sin = rope.cos_sin_half(pos.flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype)
                 tables["cos"], tables["sin"] = cos.view(*pos.shape, -1), sin.view(*pos.shape, -1)
-        out = []
-        for l0 in range(0, L, n_layers):
-            stop = min(L, l0 + n_layers)
-            layers = ids[l0:stop]
-            lse = torch.cat([self._scout_lse(r, layers, q_all[l0:stop], a, min(a + pairs, n_pairs), scaling, tables)
-                             for a in range(0, n_pairs, pairs)], dim=1)  # [Lc, Hkv * S, blocks per span, M]
-            lse = lse.reshape(len(layers), self.hkv, -1, lse.shape[-1])  # [Lc, Hkv, S * blocks per span, M]
-            out.append(scout.block_masses(lse, other[l0:stop])[:, tables["block_row"]])
+        jobs = [(ids[l0 : min(L, l0 + n_layers)], a, min(a + pairs, n_pairs)) for l0 in range(0, L, n_layers) for a in range(0, n_pairs, pairs)]
+        stream = ScoutRows(self.blocks, jobs, r.device)
+        out, parts = [], []
+        for k, (layers, a, e) in enumerate(jobs):
+            l0 = ids.index(layers[0])
+            parts.append(self._scout_lse(r, layers, q_all[l0 : l0 + len(layers)], a, e, scaling, tables, stream.rows(k)))
+            stream.done(k)
+            if e == n_pairs:  # the layer chunk's last pairs
+                lse = torch.cat(parts, dim=1)  # [Lc, Hkv * S, blocks per span, M]
+                parts = []
+                lse = lse.reshape(len(layers), self.hkv, -1, lse.shape[-1])  # [Lc, Hkv, S * blocks per span, M]
+                out.append(scout.block_masses(lse, other[l0 : l0 + len(layers)])[:, tables["block_row"]])
         return torch.cat(out)
 
     def _scout_chunk(self, n_pairs: int, per_pair: int) -> tuple[int, int]:
@@ -568,33 +610,38 @@ class BatchedStep:
         pairs = max(self.P, 64, SCOUT_CHUNK_BYTES // max(per_pair, 1))
         return pairs, max(1, pairs // max(n_pairs, 1))
 
-    def _scout_lse(self, r: Residents, layers: list[int], q: torch.Tensor, a: int, e: int, scaling: float, t: dict) -> torch.Tensor:
+    def _scout_lse(self, r: Residents, layers: list[int], q: torch.Tensor, a: int, e: int, scaling: float, t: dict,
+                   staged: dict) -> torch.Tensor:
         """Logsumexps of the zoom blocks of the (group, span) pairs a..e-1 (flat g * S + i) for the layers' queries
         q [Lc, Hkv, M, d] -> [Lc, e - a, blocks per span, M]; a span's rows past its blocks give -inf.  r: the pack on
-        the layers' device."""
+        the layers' device; staged: the layers' block rows a..e-1 already on it (ScoutRows), by layer."""
         S = r.n_spans
         n_max = t["row_block"].shape[1]
         ragged = any(self.blocks[layer].n_max != n_max for layer in layers)
         keys = (torch.zeros if ragged else torch.empty)(len(layers), e - a, n_max, self.d, device=r.device)  # [Lc, P, n_max, d]
         for j, layer in enumerate(layers):  # every block of the range, in order: a view of the layer's blocks, no gather
             b = self.blocks[layer]
-            rows = b.src.view(-1, b.stride)[a:e]
-            if rows.device != r.device:
-                rows = rows.to(r.device, non_blocking=True)
+            rows = staged.get(layer)
+            if rows is None:
+                rows = b.src.view(-1, b.stride)[a:e]
+                if rows.device != r.device:
+                    rows = rows.to(r.device, non_blocking=True)
             us, vt = fb.unpack(b, rows, torch.float32)
             if ragged:
                 keys[j, :, : b.n_max] = torch.matmul(us[:, 0], vt[:, 0])
             else:
                 torch.matmul(us[:, 0], vt[:, 0], out=keys[j])  # rows past a span's n_i are masked below
+        del us, vt, rows, staged
         pair = torch.arange(a, e, device=r.device)
         g, i = pair // S, pair % S
         if r.pre_rope:  # each row at its token's position (re-positioned: where its block sits zoomed alone)
             if "cos" in t:
-                cos, sin = t["cos"][i], t["sin"][i]  # [P, n_max, d]
+                cos, sin = t["cos"][i], t["sin"][i]  # [P, n_max, d / 2]
             else:
                 pos = t["pos"][i]
-                cos, sin = (x.view(*pos.shape, -1) for x in rope.cos_sin(pos.flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype))
-            keys = rope.apply(keys, cos, sin)
+                cos, sin = (x.view(*pos.shape, -1) for x in rope.cos_sin_half(pos.flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype))
+            rope.apply_half_(keys, cos, sin)  # in place: rope.apply's values, at most one more chunk-sized tensor alive
+            del cos, sin
         logits = torch.matmul(q[:, g], keys.transpose(-1, -2)).mul_(scaling)  # [Lc, P, M, n_max]: the chunk's one big tensor,
         del keys  # worked in place from here
         rb = t["row_block"][i].unsqueeze(1)  # [P, 1, n_max]: each row's block within its span, -1 past the span
@@ -660,6 +707,86 @@ class BatchedStep:
             up = lambda x: x.to(r.device, non_blocking=True)  # noqa: E731
             tables[r.device] = (up(first), up(counts), most, up(row_block))
         return tables[r.device]
+
+
+#: the scout's reads of factor blocks in host memory: True, copied a chunk at a time into a device buffer on a side
+#: stream, the next chunk's copy beside this chunk's scoring (ScoutRows); False, read in place (through their mapped
+#: view on CUDA: a dequantising kernel reading host memory); None, True on CUDA
+SCOUT_STAGING: bool | None = None
+
+
+class ScoutRows:
+    """The scout pass's factor-block rows, chunk by chunk, for the blocks in host memory: ``jobs[k]`` = (layers, a,
+    e) reads rows a..e-1 of each of its layers' blocks.  Each chunk's host rows are copied into one of two device
+    buffers on a side stream (page-locked memory: a DMA copy, no host wait), chunk k+1's copy issued before chunk
+    k's scoring, so the copies run beside the scoring; a buffer is written again only after the scoring that read it
+    (events, no host sync).  Blocks in device memory are read in place (``rows(k)`` leaves them out).  On the CPU the
+    same copies run in order (tests: SCOUT_STAGING True)."""
+
+    def __init__(self, blocks: list[fb.Blocks], jobs: list[tuple[list[int], int, int]], device):
+        self.blocks, self.jobs, self.device = blocks, jobs, torch.device(device)
+        on = SCOUT_STAGING if SCOUT_STAGING is not None else self.device.type == "cuda"
+        host = {i for i, b in enumerate(blocks) if b.words.device.type == "cpu"} if on else set()
+        need = [sum((e - a) * blocks[i].stride for i in layers if i in host) for layers, a, e in jobs]
+        self.host = host
+        self.words = max(need, default=0)
+        self.cuda = self.device.type == "cuda"
+        self.buf: list[torch.Tensor] = []
+        if self.words:
+            self.buf = [torch.empty(self.words, dtype=torch.int64, device=self.device) for _ in range(2)]
+            self.side = torch.cuda.Stream(self.device) if self.cuda else None
+            self.copied: list = [None, None]
+            self.freed: list = [None, None]
+            self._issue(0)
+
+    def _issue(self, k: int) -> None:
+        if k >= len(self.jobs) or not self.words:
+            return
+        layers, a, e = self.jobs[k]
+        buf = self.buf[k % 2]
+        ctx = torch.cuda.stream(self.side) if self.cuda else contextlib.nullcontext()
+        with ctx:
+            if self.cuda:
+                if self.freed[k % 2] is None:  # the buffer was made on the compute stream
+                    self.side.wait_stream(torch.cuda.current_stream(self.device))
+                else:  # its last chunk's scoring is done with it
+                    self.side.wait_event(self.freed[k % 2])
+            at = 0
+            for i in layers:
+                if i not in self.host:
+                    continue
+                b = self.blocks[i]
+                n = (e - a) * b.stride
+                for x, y in fb.pieces(b.words, a * b.stride, e * b.stride):  # each piece inside one registration
+                    buf[at + x - a * b.stride : at + y - a * b.stride].copy_(b.words[x:y], non_blocking=self.cuda)
+                at += n
+            if self.cuda:
+                ev = torch.cuda.Event()
+                ev.record(self.side)
+                self.copied[k % 2] = ev
+
+    def rows(self, k: int) -> dict[int, torch.Tensor]:
+        """Chunk k's staged rows on the device, by layer ([e - a, stride] int64); the next chunk's copy is issued."""
+        if not self.words:
+            return {}
+        layers, a, e = self.jobs[k]
+        self._issue(k + 1)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.copied[k % 2])
+        out, at, buf = {}, 0, self.buf[k % 2]
+        for i in layers:
+            if i in self.host:
+                b = self.blocks[i]
+                out[i] = buf[at : at + (e - a) * b.stride].view(e - a, b.stride)
+                at += (e - a) * b.stride
+        return out
+
+    def done(self, k: int) -> None:
+        """Chunk k's scoring is queued: its buffer may be written again after it."""
+        if self.words and self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self.freed[k % 2] = ev
 
 
 class _tf32:

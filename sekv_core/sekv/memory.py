@@ -225,8 +225,9 @@ class ZoomMemory(KVMemory):
         q = query[0].float().reshape(hkv, -1, d)  # [Hkv, G*T, d]: a group's heads and tokens
         base = self.step.base if self.res.layout is not None else None
         exact = self.res.exact_keys(layer, base)
-        if isinstance(self.step, BatchedStep):  # scored with the other layers' after the forward (no layer needs another's)
-            self._scouted.append((q, exact, scaling))
+        if isinstance(self.step, BatchedStep):  # scored with the other layers' after the forward (no layer needs another's);
+            # the part that reads the layer's full-resolution keys is made now, so they are not kept for it
+            self._scouted.append((q, BatchedStep.scout_exact(q, exact, scaling), scaling))
         else:
             self.ranking.add_layer(q, exact, scaling, self.step.block_lse(layer, q, scaling))
 

@@ -38,6 +38,29 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
 
 
+def cos_sin_half(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float = 1.0, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`cos_sin`'s first halves [T, d/2] (its two halves are equal), the same values at half the memory."""
+    freqs = positions.reshape(-1, 1).float() * inv_freq.to(positions.device, torch.float32).reshape(1, -1)
+    cos, sin = freqs.cos(), freqs.sin()
+    if scaling != 1.0:
+        cos, sin = cos * scaling, sin * scaling
+    if dtype is not None and dtype != torch.float32:
+        cos, sin = cos.to(dtype).float(), sin.to(dtype).float()
+    return cos, sin
+
+
+def apply_half_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`apply` in place on a float32 x [..., T, d] with :func:`cos_sin_half`'s tables [T, d/2]: the same
+    values (x1 c + (-x2) s is x1 c - x2 s exactly), two half-size temporaries instead of four whole ones."""
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    t, u = x2 * sin, x1 * sin
+    x1.mul_(cos).sub_(t)
+    del t
+    x2.mul_(cos).add_(u)
+    return x
+
+
 def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [..., T, d] to the positions of cos/sin [T, d]."""
     return x * cos + rotate_half(x) * sin

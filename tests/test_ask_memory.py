@@ -1,0 +1,193 @@
+"""Device memory of a sekv ask (docs/gpu.md, "Device memory during an ask"): the scout pass streams factor blocks
+from host memory chunk by chunk (gpu_step.ScoutRows) with the same result as reading them in place, the pieces that
+page-locking registers cover their memory exactly, and what a question makes stays under the formula's bound
+(benchmarks/ask_memory.py, counted with a TorchDispatchMode on the CPU running the batched step)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sekv_core import methods, runtime
+from sekv_core.sekv import blocks as fb
+from sekv_core.sekv import gpu_step
+
+from benchmarks import ask_memory as am
+from test_sekv_method import _setup, tiny
+
+QUESTIONS = [[5, 17, 42, 99, 7, 250, 31, 8], [3, 14, 15, 92, 65, 35]]
+
+
+def _batched(store, p, res, device="cpu"):
+    m = methods.get("sekv").open(store, p, res.shape, device)
+    m.batched = True
+    return m
+
+
+def _ask(model, mem, q) -> tuple[torch.Tensor, torch.Tensor]:
+    """A question's scout pass and its answer's first forward: (the ranking's priorities, the first forward's logits)."""
+    mem.truncate(mem.res.n_doc)
+    mem.prepare_question(lambda: runtime.forward_hidden(model, q, mem.n_tokens(), mem))
+    prio = mem.ranking.prio.clone()
+    return prio, runtime.forward_logits(model, q, mem.n_tokens(), mem, last_only=False)
+
+
+@pytest.mark.parametrize("key_space", ["pre_rope", "post_rope"])
+def test_streamed_scout_equals_reading_blocks_in_place(monkeypatch, key_space):
+    """The scout's blocks copied chunk by chunk into two alternating buffers (small chunks: many of them, each copy
+    cut into pieces) give the same block masses, ranking and first-forward logits, bit for bit, as reading the blocks
+    where they are; and with another chunk size too."""
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=700, budget=0.3, min_span=10, key_space=key_space)
+    monkeypatch.setattr(fb, "PIN_PIECE", 4096)
+    for chunk in (1 << 14, 1 << 16):
+        monkeypatch.setattr(gpu_step, "SCOUT_CHUNK_BYTES", chunk)
+        got = {}
+        for staging in (False, True):
+            monkeypatch.setattr(gpu_step, "SCOUT_STAGING", staging)
+            m = _batched(store, p, res)
+            calls = []
+            real = gpu_step.ScoutRows.rows
+
+            def spy(self, k, _real=real):
+                out = _real(self, k)
+                calls.append((k, {i: t.data_ptr() for i, t in out.items()}))
+                return out
+
+            monkeypatch.setattr(gpu_step.ScoutRows, "rows", spy)
+            got[staging] = [_ask(model, m, torch.tensor([q])) for q in QUESTIONS]
+            monkeypatch.setattr(gpu_step.ScoutRows, "rows", real)
+            if staging:  # many chunks, every one read from staged rows, the two buffers in turn
+                starts = [min(c.values()) for _, c in calls if c]
+                assert len(calls) > 2 * len(QUESTIONS) and len(starts) == len(calls)
+                assert all(a != b for a, b in zip(starts, starts[1:]) if True) or len(set(starts)) >= 2
+            else:
+                assert all(c == {} for _, c in calls)
+        for (pa, la), (pb, lb) in zip(got[False], got[True]):
+            assert torch.equal(pa, pb) and torch.equal(la, lb)
+
+
+def test_rotation_in_place_equals_rope_apply():
+    """rope.apply_half_ (the scout's rotation, in place, half-size tables) gives rope.apply's values bit for bit."""
+    from sekv_core.sekv import rope
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 7, 64, generator=g)
+    pos = torch.randint(0, 50000, (5, 7), generator=g)
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    for scaling, dtype in ((1.0, None), (0.7, torch.bfloat16)):
+        cos, sin = (t.view(5, 7, 64) for t in rope.cos_sin(pos.flatten(), inv, scaling, dtype=dtype))
+        c, s = (t.view(5, 7, 32) for t in rope.cos_sin_half(pos.flatten(), inv, scaling, dtype=dtype))
+        assert torch.equal(rope.apply_half_(x.clone(), c, s), rope.apply(x, cos, sin))
+
+
+def test_pieces_cover_a_range_and_cut_only_at_multiples_of_the_piece(monkeypatch):
+    """blocks.pieces: consecutive ranges that cover [a, b) exactly, each inside one PIN_PIECE-aligned stretch of
+    addresses (so each lies in one page-locking registration), every cut at such a boundary."""
+    t = torch.zeros(100_000, dtype=torch.int64)
+    base = t.data_ptr()
+    for piece in (4096, 8192, 65536):
+        monkeypatch.setattr(fb, "PIN_PIECE", piece)
+        for a, b in ((0, t.numel()), (3, 4), (17, 60_001), (5000, 5000)):
+            got = fb.pieces(t, a, b)
+            assert [x for x, _ in got[1:]] == [y for _, y in got[:-1]]
+            assert (got[0][0], got[-1][1]) == (a, b) if b > a else got == []
+            for x, y in got:
+                assert (base + 8 * x) // piece == (base + 8 * y - 1) // piece
+            for x, _ in got[1:]:
+                assert (base + 8 * x) % piece == 0
+
+
+@pytest.mark.parametrize("chunk", [1 << 15, 1 << 17])
+def test_scout_scoring_stays_under_the_formula(monkeypatch, chunk):
+    """What the scout's scoring makes (blocks streamed; 8 KV heads of 32, 16 query heads: a scaled 8B) stays under
+    benchmarks/ask_memory.scout_bound of its chunk plan, first and second question, and the plan's chunk is the
+    SCOUT_CHUNK_BYTES asked for (or the pairs one step may fetch)."""
+    monkeypatch.setattr(gpu_step, "SCOUT_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(gpu_step, "SCOUT_STAGING", True)
+    model = am.geometry_model(3, 16, 8, 32, 64, 1500)
+    mem, shape = am.open_pack(model, 1500, {"budget": 0.1})
+    q = list(range(7, 19))
+    runs = [am.ask(model, mem, q) for _ in range(2)]
+    plan = am.scout_plan(mem.step, len(q))
+    bound = am.scout_bound(shape, plan)
+    for r in runs:
+        assert 0 < r["scoring"] <= bound, (r["scoring"], bound, plan)
+    n, r_, m, d = plan["n_max"], plan["r_max"], plan["m"], shape.head_dim
+    assert plan["pairs"] * 4 * n * max(d, m, 2 * r_) <= max(chunk, 4 * n * max(d, m, 2 * r_) * max(64, mem.step.P)) or plan["pairs"] == mem.step.hkv * plan["n_spans"]
+
+
+def test_smaller_chunks_make_a_smaller_scout_peak(monkeypatch):
+    """The scout's transient follows SCOUT_CHUNK_BYTES (it is the chunks', not the document's): both layers' 136
+    (group, span) pairs in one chunk against 64 pairs a chunk (the floor)."""
+    monkeypatch.setattr(gpu_step, "SCOUT_STAGING", True)
+    model = am.geometry_model(2, 16, 8, 32, 64, 1500)
+    mem, shape = am.open_pack(model, 1500, {"budget": 0.1})
+    q = list(range(7, 19))
+    peaks = []
+    for chunk in (1 << 23, 1 << 15):
+        monkeypatch.setattr(gpu_step, "SCOUT_CHUNK_BYTES", chunk)
+        peaks.append(am.ask(model, mem, q)["scoring"])
+    assert peaks[1] < peaks[0] / 2, peaks
+    assert am.scout_plan(mem.step, len(q))["pairs"] == 64
+
+
+# -- CUDA: blocks page-locked by the build (in pieces) or kept on the device answer the same ------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_streamed_blocks_equal_kept_blocks(monkeypatch):
+    """On CUDA: the build page-locks every layer (KEEP_SHARE 0, in small pieces) and the scout streams them; a memory
+    whose build kept every layer on the device (KEEP_SHARE large) reads them in place; a third reads the page-locked
+    blocks in place through their mapped view (SCOUT_STAGING False).  Same ranking and logits (bit for bit), and
+    graphed decoding gives the same tokens."""
+    from sekv_core.generate import generate
+
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=700, budget=0.3, min_span=10)
+    gmodel = tiny("qwen2").cuda()
+    gmodel.load_state_dict(model.state_dict())
+    runtime.install(gmodel)
+    monkeypatch.setattr(fb, "PIN_PIECE", 1 << 16)
+    monkeypatch.setattr(gpu_step, "SCOUT_CHUNK_BYTES", 1 << 15)
+    mems = {}
+    for name, share, staging in (("streamed", 0.0, None), ("kept", 100.0, None), ("mapped", 0.0, False)):
+        monkeypatch.setattr(gpu_step, "KEEP_SHARE", share)
+        monkeypatch.setattr(gpu_step, "SCOUT_STAGING", staging)
+        gpu_step.start_blocks(store, res.shape, len(ids), "cuda")
+        m = _batched(store, p, res, "cuda")
+        m._step()
+        mems[name] = (m, staging)
+    s, k, mp = mems["streamed"][0], mems["kept"][0], mems["mapped"][0]
+    assert s.pinning is None and all(b.uva and b.words.is_pinned() for b in s.step.blocks)
+    assert k.pinning is not None and all(b.words.is_cuda for b in k.step.blocks)
+    for q in QUESTIONS:
+        outs = []
+        for name, (m, staging) in mems.items():
+            monkeypatch.setattr(gpu_step, "SCOUT_STAGING", staging)
+            outs.append(_ask(gmodel, m, torch.tensor([q], device="cuda")))
+        for pa, la in outs[1:]:
+            assert torch.equal(outs[0][0], pa) and torch.equal(outs[0][1], la)
+    toks = []
+    for m in (s, k):
+        m.truncate(m.res.n_doc)
+        toks.append(generate(gmodel, m, QUESTIONS[1], max_new_tokens=6, stop_ids=set(), graphs=True)[0])
+    assert toks[0] == toks[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_memory_page_locked_in_pieces_reads_as_one_range(monkeypatch):
+    """page_locked in pieces (PIN_PIECE small): the tensor is pinned, its mapped view reads every word, across the
+    pieces' boundaries, and a device copy goes in and out piece by piece."""
+    monkeypatch.setattr(fb, "PIN_PIECE", 1 << 16)
+    n = 300_001
+    t = fb.page_locked(n)
+    assert t.is_pinned() and t.numel() == n
+    t.copy_(torch.arange(n))
+    v = fb.device_view(t, torch.device("cuda"))
+    assert v is not None  # a kernel reads every word through the view, across the pieces' boundaries
+    assert torch.equal(v.index_select(0, torch.arange(n, device="cuda")).cpu(), torch.arange(n))
+    d = torch.empty(n, dtype=torch.int64, device="cuda")
+    fb.copy_pieces(d, t, non_blocking=True)
+    back = fb.page_locked(n)
+    fb.copy_pieces(back, d * 2, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, torch.arange(n) * 2)
