@@ -192,4 +192,5 @@ def test_cuda_the_pipelined_pack_holds_the_sequential_packs_tier_bit_for_bit(tin
             assert torch.equal(got[k].index_select(1, idx), want[k]), k
         if k.startswith("sekv.full."):
             assert torch.equal(got[k], want[k]), k
-    assert pip.written_in_prefill > 0
+    # the pipelined path ran; how much its writer thread wrote before a short prefill ended is timing, not a property
+    assert pip.pipelined and not seq.pipelined

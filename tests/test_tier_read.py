@@ -219,3 +219,13 @@ def test_cuda_staged_rows_equal_the_host_rows(kind, monkeypatch):
         assert isinstance(staged, zoom_tier.StagedRows) and staged.stats["tier_bytes"] > 0
         for li, (h, k, v) in enumerate(got):
             assert k.is_cuda and torch.equal(k.cpu(), want[li][0]) and torch.equal(v.cpu(), want[li][1]), (seed, li)
+
+
+@pytest.mark.parametrize("routing", ["scout", "per_layer"])
+def test_steps_that_read_the_tier_through_the_host_are_not_captured(routing):
+    """Per-layer routing reads a step's tier rows through the host (ZoomTier.rows), which a CUDA graph cannot hold:
+    such a memory offers no static steps; under scout routing the fixed set's rows are read once, before the steps."""
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", **(TIER | {"zoom": "router", "budget": 0.5, "routing": routing}))
+    assert mem.res.zoom_tier is not None
+    mem.batched = True
+    assert mem.static_supported() is (routing == "scout")

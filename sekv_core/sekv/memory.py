@@ -253,7 +253,10 @@ class ZoomMemory(KVMemory):
     # -- static single-token steps (sekv_core/graphed_step.py) ----------------------------------------------
 
     def static_supported(self) -> bool:
-        return self.batched and not self.res.split  # the batched step has no host sync; a captured step has one device
+        # the batched step has no host sync; a captured step has one device.  Per-layer routing (no fixed set) reads the
+        # zoom tier's rows of every step through the host (ZoomTier.rows), which a capture cannot hold: eager steps
+        per_layer_tier = self.res.zoom_tier is not None and self.ranking is None
+        return self.batched and not self.res.split and not per_layer_tier
 
     def static_begin(self) -> None:
         self._step()
