@@ -51,6 +51,7 @@ class FixedSets:
         L, S, dev = res.shape.n_layers, res.n_spans, res.device
         self.hkv = res.shape.n_kv_heads
         self.min_block = int(res.block_len.min()) if res.n_blocks else 1
+        self.max_block = int(res.block_len.max()) if res.n_blocks else 1
         self.keep: list[torch.Tensor] = []  # per layer: the kept (group, block) pairs [Hkv, B]
         self.n: list[torch.Tensor] = []  # per layer: each group's filled rows [Hkv]
         self.filled_for: list = [None] * L  # per layer: the key() its set was filled for
@@ -234,6 +235,11 @@ class FixedSets:
         ok_t = slot_ok.view(hkv, ug)
         plan["src_pair"] = torch.where(ok_t, grp * pg + first.gather(1, p_of), torch.zeros_like(t)).flatten()
         plan["src_row"] = torch.where(ok_t, r.block_off_dev[blk] + j_of, torch.zeros_like(t)).flatten()
+        # _fill rebuilds only each kept block's rows: pair p's rows are its block's, from its span's fetched factors
+        plan["own_pair"] = torch.where(ok_t, grp * pg + p_of, torch.zeros_like(t)).flatten()
+        plan["own_row"] = torch.where(ok_t, j_of, torch.zeros_like(t)).flatten()
+        plan["fetched_by"] = (grp * pg + first).flatten()  # [Hkv * pg]: the pair whose fetch holds pair p's span
+        plan["block_off"] = r.block_off_dev[idx].flatten()  # [Hkv * pg]: pair p's first row in its span
         if r.zoom_tier is not None:  # each row's (group, document token): the pack's zoom tier replaces covered rows
             plan["tier_rows"] = r.zoom_tier.locate(grp.expand(-1, ug).flatten(), (r.block_start_dev[blk] + j_of).flatten(), ok_t.flatten())  # once for all layers
             # one device: every layer's rows gathered on the host and sent from now on (sekv/zoom_tier.py StagedRows)
@@ -264,11 +270,15 @@ class FixedSets:
         else:
             rows, words = fb.fetch(b, plan["pair"], plan["fetch_ok"])
         us, vt = fb.unpack(b, rows, r.shape.dtype)
-        rec = torch.matmul(us, vt).view(-1, d)  # [Hkv * pg, 2, n_max, d] as rows; rows of pairs not fetched are unused
+        rec, n = self._rebuild(plan, us, vt, b.n_max)
+        del rows, us, vt  # the fetched words and factors go before the rows are picked
         src = plan.get(("src", b.n_max))  # each row's K and V source rows: the same for every layer of a block length
         if src is None:
-            k = plan["src_pair"] * (2 * b.n_max) + plan["src_row"]
-            src = plan[("src", b.n_max)] = (k, k + b.n_max)
+            if n < b.n_max:  # row j of kept pair p
+                k = plan["own_pair"] * (2 * n) + plan["own_row"]
+            else:  # row block_off + j of the pair that fetched the span
+                k = plan["src_pair"] * (2 * n) + plan["src_row"]
+            src = plan[("src", b.n_max)] = (k, k + n)
         if r.layout is not None:
             self.base_slots[layer].copy_(plan["base_slots"])
             self.ledger.count_positions(plan["tokens"])
@@ -288,6 +298,24 @@ class FixedSets:
             zero = plan[("zero", rec.dtype)] = torch.zeros((), dtype=rec.dtype, device=rec.device)
         torch.where(slot_ok.view(hkv, ug, 1), vrows.view(hkv, ug, d), zero, out=av[0])
         return words
+
+    def _rebuild(self, plan: dict, us: torch.Tensor, vt: torch.Tensor, n_max: int) -> tuple[torch.Tensor, int]:
+        """The K and V rows of the plan's pairs -> ([Hkv * pg * 2 * n, d] rows, n): each kept pair's own block (n, the
+        longest block's rows, from its span's U*sigma rows and Vt) where a block is shorter than a span (a span is up to
+        ~10 blocks: a tenth of the rows and transient), else each fetched span whole (n = n_max).  A row is the same
+        product of its U*sigma row and its Vt either way (tests/test_fixed_fill.py).  Rows past a block's length, and
+        rows of pairs not kept, are unused."""
+        d = vt.shape[-1]
+        n = self.max_block
+        if n >= n_max:
+            return torch.matmul(us, vt).view(-1, d), n_max  # [Hkv * pg, 2, n_max, d]
+        rows = plan.get(("rows", n_max))  # [Hkv * pg, n]: each pair's rows in its span (clamped: past the block, unused)
+        if rows is None:
+            ar = torch.arange(n, device=us.device).view(1, -1)
+            rows = plan[("rows", n_max)] = torch.clamp_max(plan["block_off"].view(-1, 1) + ar, n_max - 1)
+        fb_ = plan["fetched_by"]
+        own = us.transpose(1, 2)[fb_.view(-1, 1), rows].transpose(1, 2)  # [Hkv * pg, 2, n, r]
+        return torch.matmul(own, vt.index_select(0, fb_)).view(-1, d), n
 
     def _causal(self, q: int, dtype, dev) -> torch.Tensor:
         """[q, q]: -inf above the diagonal (a new token hides the later ones), 0 elsewhere; made once for every layer."""
