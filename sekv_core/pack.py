@@ -114,15 +114,8 @@ def tensor_digest(buf) -> str:
     return hashlib.sha256(b"".join(digests)).hexdigest()
 
 
-def _start_digests(bufs: dict[str, Any]) -> dict[str, list]:
-    """:func:`tensor_digest` of many buffers, started at once: every chunk of every buffer a job on the pool (most of
-    a pack's tensors are one chunk: hashed one after the other they were a single thread's work).  name -> the
-    futures of its chunks' sha256s (:func:`_finish_digest`)."""
-    pool = _pool()
-    return {k: [pool.submit(_chunk_sha, p) for p in _chunks(b)] for k, b in bufs.items()}
-
-
 def _finish_digest(futures: list) -> str:
+    """:func:`tensor_digest` from the futures of its chunks' sha256s (hashed on the pool)."""
     return hashlib.sha256(b"".join(f.result() for f in futures)).hexdigest()
 
 
@@ -202,49 +195,32 @@ def prepare_output(path: str | Path, *, force: bool = False, inputs: Sequence[st
 def write_pack(path: Path, manifest: dict[str, Any], tensors: dict[str, torch.Tensor], slot: OutputSlot | None = None) -> int:
     """Write atomically (into ``slot``'s temporary file when given); return the file size.  OSError -> SekvError.
 
-    The tensors' sha256s are computed on the pool while their bytes are written: the data region first (after a
-    header of the final length, written with placeholder digests of the same length), then the header with the
-    digests at offset 0, fsync, rename."""
+    A :class:`PackWriter` given every tensor at once, in name order, with a header room of exactly the header's
+    length (the digests' hex is 64 characters whatever they are): the data region is written while the pool hashes
+    it, then the header at offset 0, fsync, rename."""
     path = Path(path)
     tensors = {k: v.detach().contiguous().cpu() for k, v in sorted(tensors.items())}
     for k, v in tensors.items():
         if v.dtype not in _CODE:
             raise ValueError(f"pack tensor {k}: dtype {v.dtype} is not storable")
-    bufs = {k: _raw_bytes(v) for k, v in tensors.items()}
-    pending = _start_digests(bufs)
-    manifest = dict(manifest, magic=MAGIC, format_version=FORMAT_VERSION)
-    manifest.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    head = _header(manifest, tensors, dict.fromkeys(tensors, _ZERO))  # its length: the digests' hex is 64 characters
-
+    full = dict(manifest, magic=MAGIC, format_version=FORMAT_VERSION)
+    full.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    room = len(_header(full, tensors, dict.fromkeys(tensors, _ZERO)))
     if slot is None:
         path.parent.mkdir(parents=True, exist_ok=True)
         slot = prepare_output(path, force=True)
-    tmp = slot.tmp
     try:
-        with open(tmp, "wb") as f:
-            f.seek(len(head))
-            for b in bufs.values():
-                f.write(b)
-            digests = {k: _finish_digest(fs) for k, fs in pending.items()}
-            final = _header(manifest, tensors, digests)
-            if len(final) != len(head):  # cannot happen (fixed-length digests); a wrong header is never written
-                raise AssertionError("pack header length changed with its digests")
-            f.seek(0)
-            f.write(final)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        writer = PackWriter(slot, room)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        slot.discard()
         raise SekvError(f"{path}: cannot write the pack ({e.strerror or type(e).__name__}); nothing was written") from None
+    try:
+        for k, v in tensors.items():
+            writer.put(k, v)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        writer.abort()
         raise
-    finally:
-        for fs in pending.values():  # an error above: the jobs not started yet are dropped
-            for fu in fs:
-                fu.cancel()
-    return path.stat().st_size
+    return writer.finish(full)
 
 
 def header_room(manifest: dict[str, Any], max_tensors: int) -> int:
