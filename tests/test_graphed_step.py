@@ -139,16 +139,20 @@ def test_cuda_graphed_steps_equal_eager_steps(method):
             return FullMemory(GrowingKV.from_tensors([k.cuda() for k in res.keys], [v.cuda() for v in res.values], "cuda", extra=len(QUESTION) + 3), res.shape)
         return methods.get("sekv").open(store, p, res.shape, "cuda")
 
+    if method == "sekv-per-layer":
+        # per-layer routing reads the zoom tier's rows through the host at every step: no static step (eager steps)
+        assert memory().res.zoom_tier is not None and not GraphedStep.supported(gmodel, memory())
     outs = []
-    for graphs in (False, True):
+    for graphs in (False, True) if method != "sekv-per-layer" else ():
         m = memory()
         q = torch.tensor([QUESTION], device="cuda")
         if method != "full":
             m.prepare_question(lambda: runtime.forward_hidden(gmodel, q, m.n_tokens(), m))
         lg, step = _steps(gmodel, m, graphs, 8, q)
         outs.append(lg.cpu())
-    assert 1 <= step.captures <= 3  # replayed, not recaptured at every step (full: once more after growth)
-    assert torch.allclose(outs[0], outs[1], atol=2e-3, rtol=1e-3), (outs[0] - outs[1]).abs().max()
+    if outs:
+        assert 1 <= step.captures <= 3  # replayed, not recaptured at every step (full: once more after growth)
+        assert torch.allclose(outs[0], outs[1], atol=2e-3, rtol=1e-3), (outs[0] - outs[1]).abs().max()
     # generate() on CUDA takes the graphed path and gives the eager answer
     m = memory()
     a, _ = generate(gmodel, m, QUESTION, max_new_tokens=8, stop_ids=set(), graphs=False)
