@@ -80,6 +80,54 @@ def test_rotation_in_place_equals_rope_apply():
         assert torch.equal(rope.apply_half_(x.clone(), c, s), rope.apply(x, cos, sin))
 
 
+def _flat_attention_out_of_place(query, keys, values, resident_mask, rk, rv, visible, scaling, q_chunk=16, coarse_hidden=None):
+    """flat_attention as it was written before its scores were worked in place (each step a new tensor)."""
+    from sekv_core.sekv.attention import NEG_INF
+
+    _, h, q, d = query.shape
+    hkv, t = keys.shape[1], keys.shape[2]
+    g = h // hkv
+    kf, vf, rkf, rvf = keys[0].float(), values[0].float(), rk.float(), rv.float()
+    hide = (~visible).unsqueeze(1)
+    outs = []
+    for a in range(0, q, q_chunk):
+        qf = query[0, :, a : a + q_chunk].float()
+        qc = qf.shape[1]
+        sa = torch.matmul(qf.reshape(hkv, g * qc, d), kf.transpose(1, 2)).view(h, qc, t) * scaling + resident_mask[0, :, a : a + qc].float()
+        if coarse_hidden is not None:
+            c0, c1, hidden = coarse_hidden
+            sa[:, :, c0:c1].masked_fill_(hidden.unsqueeze(1), NEG_INF)
+        sb = (torch.matmul(rkf, qf.reshape(h * qc, d).t()).t().view(h, qc, -1) * scaling).masked_fill(hide, NEG_INF)
+        m = sa.amax(-1, keepdim=True)
+        if sb.shape[-1]:
+            m = torch.maximum(m, sb.amax(-1, keepdim=True))
+        pa, pb = torch.exp(sa - m), torch.exp(sb - m)
+        z = pa.sum(-1, keepdim=True) + pb.sum(-1, keepdim=True)
+        o = torch.matmul(pa.view(hkv, g * qc, t), vf).view(h, qc, d) + torch.matmul(pb.view(h * qc, -1), rvf).view(h, qc, d)
+        outs.append(o / z)
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, 1)).to(query.dtype).unsqueeze(0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_flat_attention_in_place_equals_its_out_of_place_form(dtype):
+    """flat_attention's scores worked in place (the routed forward's transient: one score tensor of each kind alive)
+    give its out-of-place form's output bit for bit: several query chunks, hidden coarse columns, no annex rows."""
+    from sekv_core.sekv.attention import flat_attention
+
+    g = torch.Generator().manual_seed(3)
+    for h, hkv, q, t, u, qc in [(8, 2, 5, 40, 30, 16), (32, 8, 24, 300, 700, 16), (32, 8, 24, 300, 700, 7), (4, 4, 3, 10, 0, 16)]:
+        d = 16
+        query = torch.randn(1, h, q, d, generator=g).to(dtype)
+        keys, values = (torch.randn(1, hkv, t, d, generator=g).to(dtype) for _ in range(2))
+        mask = torch.where(torch.rand(1, h, q, t, generator=g) < 0.2, float("-inf"), 0.0)
+        rk, rv = (torch.randn(u, d, generator=g).to(dtype) for _ in range(2))
+        vis = torch.rand(h, u, generator=g) < 0.5
+        for hidden in (None, (2, 7, torch.rand(h, 5, generator=g) < 0.5)):
+            got = flat_attention(query, keys, values, mask, rk, rv, vis, 0.3, q_chunk=qc, coarse_hidden=hidden)
+            want = _flat_attention_out_of_place(query, keys, values, mask, rk, rv, vis, 0.3, q_chunk=qc, coarse_hidden=hidden)
+            assert torch.equal(got, want)
+
+
 def test_pieces_cover_a_range_and_cut_only_at_multiples_of_the_piece(monkeypatch):
     """blocks.pieces: consecutive ranges that cover [a, b) exactly, each inside one PIN_PIECE-aligned stretch of
     addresses (so each lies in one page-locking registration), every cut at such a boundary."""
