@@ -77,6 +77,7 @@ def test_rotation_in_place_equals_rope_apply():
     for scaling, dtype in ((1.0, None), (0.7, torch.bfloat16)):
         cos, sin = (t.view(5, 7, 64) for t in rope.cos_sin(pos.flatten(), inv, scaling, dtype=dtype))
         c, s = (t.view(5, 7, 32) for t in rope.cos_sin_half(pos.flatten(), inv, scaling, dtype=dtype))
+        assert torch.equal(c, cos[..., :32]) and torch.equal(s, sin[..., :32])  # the tables' halves (made in place)
         assert torch.equal(rope.apply_half_(x.clone(), c, s), rope.apply(x, cos, sin))
 
 
