@@ -496,7 +496,8 @@ class BatchedStep:
             mine = mine & cand.t()[i]
         visible = (mine.index_select(0, p_of) & slot_ok).t()  # [H, U]
         # the question's tokens in as few chunks as keep each float32 score tensor [H, chunk, T | U] near SCOUT_CHUNK_BYTES
-        q_chunk = max(16, SCOUT_CHUNK_BYTES // max(1, 4 * h * max(keys.shape[-2], u)))
+        # (at most two of each alive in flat_attention; at 128K tokens of the 8B shape, U ~ 74K slots: 7 tokens a chunk)
+        q_chunk = max(1, SCOUT_CHUNK_BYTES // max(1, 4 * h * max(keys.shape[-2], u)))
         opened = getattr(resident_mask, "open", None)
         if opened is not None:  # the forward's mask with nothing expanded, the expanded coarse entries hidden in the scores
             out = flat_attention(query, keys, values, opened, rk, rv, visible, scaling, q_chunk=q_chunk, coarse_hidden=(*resident_mask.coarse, expanded))
