@@ -158,6 +158,7 @@ class GraphedStep:
         self.greedy = greedy
         self._pos_next: int | None = None  # greedy: the position the device holds after the last step (None: unknown)
         self._last_out: torch.Tensor | None = None  # greedy: the token the last step returned (the input it left)
+        self._side: dict = {}  # the eager run's side stream, by device
         from .placement import input_device
 
         dev = input_device(model)
@@ -222,7 +223,9 @@ class GraphedStep:
         unless the step changed what a capture would fix (e.g. it filled a fixed set that later steps reuse:
         that step is transient, the next one is captured)."""
         cur = torch.cuda.current_stream()
-        side = torch.cuda.Stream(cur.device)
+        side = self._side.get(cur.device)
+        if side is None:  # one side stream a step, reused: each new stream that runs a product gets a cuBLAS workspace
+            side = self._side[cur.device] = torch.cuda.Stream(cur.device)  # of its own, kept in device memory (32 MiB on Hopper)
         side.wait_stream(cur)
         with torch.cuda.stream(side):
             out = self._forward().clone()
