@@ -129,6 +129,21 @@ def test_flat_attention_in_place_equals_its_out_of_place_form(dtype):
             assert torch.equal(got, want)
 
 
+def test_live_bytes_lists_large_allocations_and_counts_what_masked_scatter_makes_on_cuda():
+    """ask_memory.LiveBytes: every allocation of at least big_bytes listed with its phase; a masked_scatter_ counted at
+    its destination's int64 running count (8 bytes an element: what CUDA's kernel allocates) beside what is alive."""
+    with am.LiveBytes() as lb:
+        lb.big_bytes, lb.phase = 4000, "a"
+        x = torch.zeros(1000)  # 4000 bytes: listed
+        torch.zeros(10)  # not listed, gone at once
+        lb.phase = "b"
+        y = torch.zeros(500, dtype=torch.int8)
+        y.masked_scatter_(torch.ones(500, dtype=torch.bool), torch.ones(500, dtype=torch.int8))
+    assert [(p, n) for p, _, n in lb.big] == [("a", 4000), ("b", 4000)]  # the scatter's 500 x 8 bytes
+    assert lb.peak == 4000 + 3 * 500 + 4000  # x, y, the mask, the source and the running count
+    del x, y
+
+
 def test_pieces_cover_a_range_and_cut_only_at_multiples_of_the_piece(monkeypatch):
     """blocks.pieces: consecutive ranges that cover [a, b) exactly, each inside one PIN_PIECE-aligned stretch of
     addresses (so each lies in one page-locking registration), every cut at such a boundary."""
