@@ -281,6 +281,26 @@ def test_blocks_built_a_run_at_a_time_are_the_same_words(int8, monkeypatch):
             assert torch.allclose(rec[p_, k, :n], ref[gg, first[i] : first[i] + n], atol=1e-5)
 
 
+def test_unpack_scales_in_place_as_a_product_does():
+    """blocks.unpack scales its dequantised copies in place: the values of the codes times their scales (the previous
+    code's products), bit for bit, in the model dtype and float32, and the blocks' words untouched."""
+    lens = torch.tensor([3, 17, 33, 40, 64, 70, 100, 5])
+    x = torch.randn(2, int(lens.sum()), 32, generator=torch.Generator().manual_seed(13))
+    f = fz.stack_kv(fz.factorize(x, lens, energy=0.9, rank_max=16, int8=True), fz.factorize(x.flip(-1), lens, energy=0.95, rank_max=16, int8=True))
+    b = blocks.build(f, lens, 32, "cpu", pin=False)
+    words = b.words.clone()
+    pair = torch.arange(2 * lens.numel())
+    rows, _ = blocks.fetch(b, pair, torch.ones_like(pair, dtype=torch.bool))
+    p, (oa, ob, oc, od), nm, rm = rows.shape[0], b.sections, b.n_max, b.r_max
+    by = rows.view(torch.uint8)
+    for dtype in (torch.bfloat16, torch.float32):
+        us, vt = blocks.unpack(b, rows, dtype)
+        want_vt = by[:, oa : oa + 2 * rm * 32].view(torch.int8).reshape(p, 2, rm, 32).to(dtype) * by[:, ob : ob + 4 * rm].view(torch.float16).reshape(p, 2, rm, 1).to(dtype)
+        want_us = by[:, od : od + nm * 2 * rm].view(torch.int8).reshape(p, nm, 2, rm).to(dtype) * by[:, oc : oc + 4 * nm].view(torch.float16).reshape(p, nm, 2, 1).to(dtype)
+        assert torch.equal(vt, want_vt) and torch.equal(us, want_us.transpose(1, 2))
+    assert torch.equal(b.words, words)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_blocks_build_reads_nothing_back_before_its_copy():
     """On CUDA, given the host's span lengths and largest rank, the re-layout makes no host sync before the blocks'

@@ -335,9 +335,9 @@ def unpack(b: Blocks, rows: torch.Tensor, dtype=torch.float32) -> tuple[torch.Te
     by = rows.view(torch.uint8)
     vt = by[:, oa : oa + 2 * rm * d * es].view(dt).reshape(p, 2, rm, d).to(dtype)
     us = by[:, od : od + nm * 2 * rm * es].view(dt).reshape(p, nm, 2, rm).to(dtype)
-    if b.int8:
-        vt = vt * by[:, ob : ob + 2 * rm * 2].view(torch.float16).reshape(p, 2, rm, 1).to(dtype)
-        us = us * by[:, oc : oc + nm * 2 * 2].view(torch.float16).reshape(p, nm, 2, 1).to(dtype)
+    if b.int8:  # scaled in place: the int8 words were copied into new tensors just above (the same values as a product)
+        vt.mul_(by[:, ob : ob + 2 * rm * 2].view(torch.float16).reshape(p, 2, rm, 1).to(dtype))
+        us.mul_(by[:, oc : oc + nm * 2 * 2].view(torch.float16).reshape(p, nm, 2, 1).to(dtype))
     return us.transpose(1, 2), vt
 
 
