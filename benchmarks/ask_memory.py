@@ -145,13 +145,14 @@ def tiled(res, n: int):
         return res
     reps = -(-n // m)
     inv, sc = rope.inv_freq_of(res.shape), res.shape.rope_attention_scaling
-    cm, sm = rope.cos_sin(torch.arange(m), inv, sc)
     keys = []
     for k in res.keys:
+        dev = k.device
+        cm, sm = rope.cos_sin(torch.arange(m, device=dev), inv, sc)
         pre = rope.undo(k.float(), cm, sm).repeat(1, reps, 1)[:, :n]
-        out = torch.empty(k.shape[0], n, k.shape[2], dtype=k.dtype)
+        out = torch.empty(k.shape[0], n, k.shape[2], dtype=k.dtype, device=dev)
         for a in range(0, n, m):  # a tile's rotation at a time (float32 temporaries of one tile)
-            cn, sn = rope.cos_sin(torch.arange(a, min(n, a + m)), inv, sc)
+            cn, sn = rope.cos_sin(torch.arange(a, min(n, a + m), device=dev), inv, sc)
             out[:, a : a + m] = rope.apply(pre[:, a : a + m], cn, sn).to(k.dtype)
         keys.append(out)
         del pre

@@ -144,6 +144,25 @@ def test_live_bytes_lists_large_allocations_and_counts_what_masked_scatter_makes
     del x, y
 
 
+def test_tiled_prefill_repeats_the_kv_at_new_positions():
+    """ask_memory.tiled: a prefill's tokens, values and surprisal repeated, its keys de-rotated, repeated and rotated
+    at their new positions (each tile's keys, rotated back, are the first tile's pre-RoPE keys)."""
+    from sekv_core.prefill import prefill
+    from sekv_core.sekv import rope
+
+    model = am.geometry_model(1, 4, 2, 16, 32, 64)
+    with torch.inference_mode():
+        res = prefill(model, torch.arange(40) % 1000, with_surprisal=True)
+    t = am.tiled(res, 100)
+    assert t.n_tokens == 100 and torch.equal(t.token_ids[40:80], res.token_ids) and torch.equal(t.values[0][:, 80:], res.values[0][:, :20])
+    assert torch.equal(t.surprisal[40:80], res.surprisal)
+    inv, sc = rope.inv_freq_of(res.shape), res.shape.rope_attention_scaling
+    pre = rope.undo(res.keys[0].float(), *rope.cos_sin(torch.arange(40), inv, sc))
+    back = rope.undo(t.keys[0].float(), *rope.cos_sin(torch.arange(100), inv, sc))
+    for a in (0, 40, 80):
+        assert torch.allclose(back[:, a : a + 20], pre[:, :20], atol=2e-2)
+
+
 def test_pieces_cover_a_range_and_cut_only_at_multiples_of_the_piece(monkeypatch):
     """blocks.pieces: consecutive ranges that cover [a, b) exactly, each inside one PIN_PIECE-aligned stretch of
     addresses (so each lies in one page-locking registration), every cut at such a boundary."""
