@@ -77,7 +77,8 @@ class Blocks:
     n_max: int
     d: int
     uva: bool
-    cols: torch.Tensor  # [1, stride] long: 0..stride-1 on the device (a fetch's word offsets; a constant, not a table)
+    cols: torch.Tensor  # [1, stride] 0..stride-1 on the device (a fetch's word offsets; a constant, not a table), int32
+    # where every word's index fits (a fetch's index tensor is as large as the words it gathers: half of it in int32)
 
     @property
     def used(self) -> torch.Tensor:
@@ -172,7 +173,7 @@ def build(f: fz.Factors, span_len: torch.Tensor, d: int, device, pin: bool, work
         n_max=nm,
         d=d,
         uva=view is not None,
-        cols=torch.arange(stride, device=device).view(1, -1),
+        cols=torch.arange(stride, device=device, dtype=torch.int32 if nb * stride < 2**31 else torch.long).view(1, -1),
     )
 
 
@@ -314,7 +315,7 @@ def fetch(b: Blocks, pair: torch.Tensor, ok: torch.Tensor, count: bool = True) -
 
 def gather(b: Blocks, pair: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     """:func:`fetch`'s gather: the words 0..last[p] of each block pair[p] (the last one repeated to the stride)."""
-    idx = torch.minimum(b.cols, last.view(-1, 1)).add_(pair.view(-1, 1), alpha=b.stride)
+    idx = torch.minimum(b.cols, last.view(-1, 1).to(b.cols.dtype)).add_(pair.view(-1, 1).to(b.cols.dtype), alpha=b.stride)
     if b.uva or b.src.device == pair.device:
         rows = b.src.index_select(0, idx.flatten())
     else:  # no mapped view (not pinned, or the runtime refused it): gather on the host, one copy
