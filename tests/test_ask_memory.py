@@ -163,6 +163,24 @@ def test_tiled_prefill_repeats_the_kv_at_new_positions():
         assert torch.allclose(back[:, a : a + 20], pre[:, :20], atol=2e-2)
 
 
+def test_a_fetch_index_is_half_the_words_it_gathers():
+    """blocks.gather's word index is int32 where every word's index fits: a fetch makes its words and at most half as
+    many bytes of index (an int64 index was as large as the words: a fill's first-forward peak at 128K)."""
+    from sekv_core.sekv import factorize as fz
+
+    lens = torch.tensor([3, 17, 33, 40, 64, 70, 100, 5])
+    x = torch.randn(2, int(lens.sum()), 32, generator=torch.Generator().manual_seed(14))
+    f = fz.stack_kv(fz.factorize(x, lens, energy=0.9, rank_max=16, int8=True), fz.factorize(x.flip(-1), lens, energy=0.95, rank_max=16, int8=True))
+    b = fb.build(f, lens, 32, "cpu", pin=False)
+    pair = torch.arange(2 * lens.numel())
+    with am.LiveBytes() as lb:
+        rows = fb.gather(b, pair, b.last[pair])
+    idx = torch.minimum(torch.arange(b.stride).view(1, -1), b.last[pair].long().view(-1, 1)) + pair.view(-1, 1) * b.stride
+    assert b.cols.dtype == torch.int32 and torch.equal(rows, b.words[idx])  # each block's words, its last one repeated
+    words = rows.numel() * 8
+    assert lb.peak <= words + words // 2 + 4096, (lb.peak, words)
+
+
 def test_pieces_cover_a_range_and_cut_only_at_multiples_of_the_piece(monkeypatch):
     """blocks.pieces: consecutive ranges that cover [a, b) exactly, each inside one PIN_PIECE-aligned stretch of
     addresses (so each lies in one page-locking registration), every cut at such a boundary."""
