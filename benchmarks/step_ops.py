@@ -12,7 +12,9 @@ made it ("model": the model's own code).  SDPA is counted as one call (one fused
     python -m benchmarks.step_ops --tokens 8192 --sites        # and the calls by sekv line
     python -m benchmarks.step_ops --tokens 1024 --layers 32 --host   # the host's bookkeeping a step, at 32 layers
 
-The step counted is an answer's third (the fixed set filled by the first, reused since).
+The step counted is an answer's third (the fixed set filled by the first, reused since), as generate() runs it:
+greedy, the model's head and the argmax inside the step (what a CUDA graph captures), and the host's calls before the
+replay (the memory's bookkeeping) counted apart as "eager".
 """
 
 from __future__ import annotations
@@ -126,8 +128,14 @@ def model_8b_heads(layers: int, tokens: int, dtype, kind: str = "llama", heads: 
     return model
 
 
-def count_steps(model, memory, question: list[int], steps: int = 3) -> list[StepOps]:
-    """An answer's question forward, then `steps` static single-token steps (GraphedStep, eager off CUDA), each counted."""
+#: the host's calls around a replay (before it, eagerly: the memory's bookkeeping, the step's inputs), by function
+EAGER = ("static_begin", "begin_forward", "_step", "reserve", "_realloc", "static_end")
+
+
+def count_steps(model, memory, question: list[int], steps: int = 3, greedy: bool = True) -> list[StepOps]:
+    """An answer's question forward, then `steps` static single-token steps (GraphedStep, eager off CUDA), each counted;
+    greedy: as generate() runs them (the head and the argmax inside the step), else the step's hidden state and the
+    head and argmax after it, uncounted."""
     from sekv_core import runtime
     from sekv_core.graphed_step import GraphedStep
 
@@ -137,7 +145,7 @@ def count_steps(model, memory, question: list[int], steps: int = 3) -> list[Step
     h = runtime.forward_hidden(model, q, memory.n_tokens(), memory)
     memory.end_step()
     head = model.get_output_embeddings()
-    step = GraphedStep(model, memory, capture=False)
+    step = GraphedStep(model, memory, capture=False, greedy=greedy)
     out = []
     with torch.inference_mode():
         tok = head(h[:, -1]).argmax(-1).view(1, 1)
@@ -146,8 +154,13 @@ def count_steps(model, memory, question: list[int], steps: int = 3) -> list[Step
             with c:
                 h = step(tok)
             out.append(c)
-            tok = head(h[:, -1]).argmax(-1).view(1, 1)
+            tok = h.view(1, 1) if greedy else head(h[:, -1]).argmax(-1).view(1, 1)
     return out
+
+
+def eager_calls(c: StepOps) -> int:
+    """The counted calls made on the host around the replay (EAGER), not captured."""
+    return sum(n for (site, _), n in c.by_site.items() if site.split(" ")[-1] in EAGER)
 
 
 def host_us(memory, n: int = 200) -> float:
@@ -207,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         c = count_steps(model, mem, [5, 17, 42, 99, 7, 250, 31, 8])[-1]
         L = a.layers
         mine = {s: n for s, n in c.by_site.items() if s[0] != "model"}
-        row = {"calls_per_step": c.calls, "bytes_per_step": c.bytes, "memory_calls_per_step": sum(mine.values()),
+        row = {"calls_per_step": c.calls, "eager_calls_per_step": eager_calls(c), "bytes_per_step": c.bytes, "memory_calls_per_step": sum(mine.values()),
                "memory_bytes_per_step": sum(c.bytes_by_site[s] for s in mine),
                "model_calls_per_step": sum(n for s, n in c.by_site.items() if s[0] == "model")}
         if a.sites:
@@ -216,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             row["host_us_per_step"] = host_us(mem)
             print(f"{name}: static_begin + static_key + static_end {row['host_us_per_step']:.0f} us a step (host)")
         report[name] = row
-        print(f"{name}, {L} layers: {c.calls} calls, {c.bytes / 2**20:.2f} MiB per step; the memory's code (attention, K/V append, "
+        print(f"{name}, {L} layers: {c.calls} calls ({row['eager_calls_per_step']} of them eager, before the replay), {c.bytes / 2**20:.2f} MiB per step; the memory's code (attention, K/V append, "
               f"step bookkeeping) {row['memory_calls_per_step']} calls, {row['memory_bytes_per_step'] / 2**20:.2f} MiB; the model's own "
               f"{row['model_calls_per_step']} calls")
         if a.sites:

@@ -67,10 +67,12 @@ def generate(
     if graphs is None:
         graphs = device.type == "cuda"
     graphed = None
+    greedy = sampler is None
     if graphs and GraphedStep.supported(model, memory):  # one per (memory, model), kept: its graph serves later asks
         graphed = getattr(memory, "_graphed_step", None)
-        if graphed is None or graphed.model is not model or graphed.compile_layers != compile_layers:
-            graphed = memory._graphed_step = GraphedStep(model, memory, compile_layers=compile_layers)
+        if graphed is None or graphed.model is not model or graphed.compile_layers != compile_layers or graphed.greedy != greedy:
+            # greedy: the head and the argmax inside the captured step, which returns the token
+            graphed = memory._graphed_step = GraphedStep(model, memory, compile_layers=compile_layers, greedy=greedy)
     stats = DecodeStats(question_tokens=len(question_ids))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -91,8 +93,12 @@ def generate(
     defer = graphed is not None and graphed.capture
     pending = None
     while True:
+        stepped = None
         if graphed is not None and ids.shape[1] == 1:
-            hidden = graphed(ids)
+            if graphed.greedy:
+                stepped = graphed(ids)  # the greedy token [1], made in the step
+            else:
+                hidden = graphed(ids)
         else:
             memory.begin_step(ids.shape[1])
             hidden = runtime.forward_hidden(model, ids, memory.n_tokens(), memory)
@@ -101,11 +107,11 @@ def generate(
             on_token(pending)
             pending = None
         with torch.inference_mode():
-            logits = head(hidden[:, -1])
+            logits = head(hidden[:, -1]) if stepped is None else None
             if t_first is None:
                 marks.mark()
             if sampler is None:
-                best = logits.argmax(-1)
+                best = logits.argmax(-1) if stepped is None else stepped
                 nxt = int(best.item())
             else:
                 best, nxt = None, sampler(logits[0])

@@ -94,7 +94,8 @@ def _rms_norm(module, x: torch.Tensor) -> torch.Tensor:
 
 #: transformers' modeling modules whose ``apply_rotary_pos_emb`` is Llama's, ``x * cos + rotate_half(x) * sin`` with
 #: rotate_half(x) = cat(-x2, x1): a static step runs it as ``addcmul(x * cos, roll(x, d / 2), sin')`` with sin' = sin,
-#: its first half negated (made once a step): three kernels a tensor where it makes five (the last sum rounded once)
+#: its first half negated (made once a step), q's and k's heads concatenated: four kernels for both where it makes ten
+#: (the last sum rounded once)
 ROTARY_MODULES = frozenset(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen2", "mistral", "qwen3"))
 
 
@@ -111,6 +112,11 @@ def _rotary(plain, signed: dict):
             held = signed[id(sin)] = (sin, torch.cat([-sin[..., :h], sin[..., h:]], -1).unsqueeze(unsqueeze_dim))
         cos, s = cos.unsqueeze(unsqueeze_dim), held[1]
         h = q.shape[-1] // 2
+        if unsqueeze_dim == 1 and q.dim() == 4 and q.shape[0] == k.shape[0] and q.shape[2:] == k.shape[2:] and q.dtype == k.dtype:
+            # q's and k's heads side by side: one rotation of both (four kernels, not six), each element the same arithmetic
+            qk = torch.cat([q, k], 1)
+            out = torch.addcmul(qk * cos, qk.roll(h, -1), s)
+            return out[:, : q.shape[1]], out[:, q.shape[1] :]
         return torch.addcmul(q * cos, q.roll(h, -1), s), torch.addcmul(k * cos, k.roll(h, -1), s)
 
     return apply
@@ -141,9 +147,18 @@ def fused_ops(model):
 
 
 class GraphedStep:
-    def __init__(self, model, memory: KVMemory, capture: bool | None = None, compile_layers: bool = False):
+    """``greedy``: the step ends with the model's head and the argmax of the last position's logits, inside the graph:
+    a call returns the next token [1] (long, on the device) instead of the hidden state, and leaves it as the next
+    step's input (a call with that tensor copies nothing), and the position moves on inside the graph: the host's work
+    a token is the memory's bookkeeping, the replay and the token's read."""
+
+    def __init__(self, model, memory: KVMemory, capture: bool | None = None, compile_layers: bool = False, greedy: bool = False):
         self.model, self.memory = model, memory
         self.compile_layers = compile_layers
+        self.greedy = greedy
+        self._pos_next: int | None = None  # greedy: the position the device holds after the last step (None: unknown)
+        self._last_out: torch.Tensor | None = None  # greedy: the token the last step returned (the input it left)
+        self._side: dict = {}  # the eager run's side stream, by device
         from .placement import input_device
 
         dev = input_device(model)
@@ -165,15 +180,20 @@ class GraphedStep:
         return memory.static_supported() and not spans_devices(model)
 
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
-        """token: [1, 1] long on the model's device -> the last hidden state [1, 1, D]."""
+        """token: [1, 1] long on the model's device -> the last hidden state [1, 1, D] (greedy: the next token [1])."""
         with torch.inference_mode():  # the memory's device tensors were made in inference mode
             return self._step(token)
 
     def _step(self, token: torch.Tensor) -> torch.Tensor:
         m = self.memory
         m.static_begin()
-        self.tok.copy_(token.view(1, 1))
-        self.pos.fill_(m.n_tokens())
+        last = self._last_out  # greedy: the token the last step returned, held (so no other tensor takes its memory)
+        if last is None or token.data_ptr() != last.data_ptr():  # else that step left it as the input already
+            self.tok.copy_(token.view(1, 1))
+        n = m.n_tokens()
+        if not (self.greedy and self._pos_next == n):  # greedy: the step before moved it on (inside the graph)
+            self.pos.fill_(n)
+        self._pos_next = self._last_out = None  # known again once this step has run
         key = m.static_key() if self.capture else None
         if not self.capture:
             out = self._forward()
@@ -182,20 +202,30 @@ class GraphedStep:
             out = self.out
         else:
             out = self._eager_then_capture(key)
+        if self.greedy:
+            self._pos_next, self._last_out = n + 1, out
         m.static_end()
         return out
 
     def _forward(self) -> torch.Tensor:
         fused = compiled_layers(self.model) if self.compile_layers else fused_ops(self.model)
         with runtime.using(self.memory), self.memory.static_mode(), torch.inference_mode(), fused:
-            return self.model.get_decoder()(input_ids=self.tok, position_ids=self.pos, use_cache=False).last_hidden_state
+            hidden = self.model.get_decoder()(input_ids=self.tok, position_ids=self.pos, use_cache=False).last_hidden_state
+            if not self.greedy:
+                return hidden
+            best = self.model.get_output_embeddings()(hidden[:, -1]).argmax(-1)  # generate's greedy token, in the step
+            self.tok.copy_(best.view(1, 1))  # the next step's input
+            self.pos.add_(1)  # and its position
+            return best
 
     def _eager_then_capture(self, key: Hashable) -> torch.Tensor:
         """Run this step eagerly (on a side stream: also the warm-up), then capture it for the steps to come,
         unless the step changed what a capture would fix (e.g. it filled a fixed set that later steps reuse:
         that step is transient, the next one is captured)."""
         cur = torch.cuda.current_stream()
-        side = torch.cuda.Stream(cur.device)
+        side = self._side.get(cur.device)
+        if side is None:  # one side stream a step, reused: each new stream that runs a product gets a cuBLAS workspace
+            side = self._side[cur.device] = torch.cuda.Stream(cur.device)  # of its own, kept in device memory (32 MiB on Hopper)
         side.wait_stream(cur)
         with torch.cuda.stream(side):
             out = self._forward().clone()

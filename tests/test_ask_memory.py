@@ -77,7 +77,108 @@ def test_rotation_in_place_equals_rope_apply():
     for scaling, dtype in ((1.0, None), (0.7, torch.bfloat16)):
         cos, sin = (t.view(5, 7, 64) for t in rope.cos_sin(pos.flatten(), inv, scaling, dtype=dtype))
         c, s = (t.view(5, 7, 32) for t in rope.cos_sin_half(pos.flatten(), inv, scaling, dtype=dtype))
+        assert torch.equal(c, cos[..., :32]) and torch.equal(s, sin[..., :32])  # the tables' halves (made in place)
         assert torch.equal(rope.apply_half_(x.clone(), c, s), rope.apply(x, cos, sin))
+
+
+def _flat_attention_out_of_place(query, keys, values, resident_mask, rk, rv, visible, scaling, q_chunk=16, coarse_hidden=None):
+    """flat_attention as it was written before its scores were worked in place (each step a new tensor)."""
+    from sekv_core.sekv.attention import NEG_INF
+
+    _, h, q, d = query.shape
+    hkv, t = keys.shape[1], keys.shape[2]
+    g = h // hkv
+    kf, vf, rkf, rvf = keys[0].float(), values[0].float(), rk.float(), rv.float()
+    hide = (~visible).unsqueeze(1)
+    outs = []
+    for a in range(0, q, q_chunk):
+        qf = query[0, :, a : a + q_chunk].float()
+        qc = qf.shape[1]
+        sa = torch.matmul(qf.reshape(hkv, g * qc, d), kf.transpose(1, 2)).view(h, qc, t) * scaling + resident_mask[0, :, a : a + qc].float()
+        if coarse_hidden is not None:
+            c0, c1, hidden = coarse_hidden
+            sa[:, :, c0:c1].masked_fill_(hidden.unsqueeze(1), NEG_INF)
+        sb = (torch.matmul(rkf, qf.reshape(h * qc, d).t()).t().view(h, qc, -1) * scaling).masked_fill(hide, NEG_INF)
+        m = sa.amax(-1, keepdim=True)
+        if sb.shape[-1]:
+            m = torch.maximum(m, sb.amax(-1, keepdim=True))
+        pa, pb = torch.exp(sa - m), torch.exp(sb - m)
+        z = pa.sum(-1, keepdim=True) + pb.sum(-1, keepdim=True)
+        o = torch.matmul(pa.view(hkv, g * qc, t), vf).view(h, qc, d) + torch.matmul(pb.view(h * qc, -1), rvf).view(h, qc, d)
+        outs.append(o / z)
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, 1)).to(query.dtype).unsqueeze(0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_flat_attention_in_place_equals_its_out_of_place_form(dtype):
+    """flat_attention's scores worked in place (the routed forward's transient: one score tensor of each kind alive)
+    give its out-of-place form's output bit for bit: several query chunks, hidden coarse columns, no annex rows."""
+    from sekv_core.sekv.attention import flat_attention
+
+    g = torch.Generator().manual_seed(3)
+    for h, hkv, q, t, u, qc in [(8, 2, 5, 40, 30, 16), (32, 8, 24, 300, 700, 16), (32, 8, 24, 300, 700, 7), (4, 4, 3, 10, 0, 16)]:
+        d = 16
+        query = torch.randn(1, h, q, d, generator=g).to(dtype)
+        keys, values = (torch.randn(1, hkv, t, d, generator=g).to(dtype) for _ in range(2))
+        mask = torch.where(torch.rand(1, h, q, t, generator=g) < 0.2, float("-inf"), 0.0)
+        rk, rv = (torch.randn(u, d, generator=g).to(dtype) for _ in range(2))
+        vis = torch.rand(h, u, generator=g) < 0.5
+        for hidden in (None, (2, 7, torch.rand(h, 5, generator=g) < 0.5)):
+            got = flat_attention(query, keys, values, mask, rk, rv, vis, 0.3, q_chunk=qc, coarse_hidden=hidden)
+            want = _flat_attention_out_of_place(query, keys, values, mask, rk, rv, vis, 0.3, q_chunk=qc, coarse_hidden=hidden)
+            assert torch.equal(got, want)
+
+
+def test_live_bytes_lists_large_allocations_and_counts_what_masked_scatter_makes_on_cuda():
+    """ask_memory.LiveBytes: every allocation of at least big_bytes listed with its phase; a masked_scatter_ counted at
+    its destination's int64 running count (8 bytes an element: what CUDA's kernel allocates) beside what is alive."""
+    with am.LiveBytes() as lb:
+        lb.big_bytes, lb.phase = 4000, "a"
+        x = torch.zeros(1000)  # 4000 bytes: listed
+        torch.zeros(10)  # not listed, gone at once
+        lb.phase = "b"
+        y = torch.zeros(500, dtype=torch.int8)
+        y.masked_scatter_(torch.ones(500, dtype=torch.bool), torch.ones(500, dtype=torch.int8))
+    assert [(p, n) for p, _, n in lb.big] == [("a", 4000), ("b", 4000)]  # the scatter's 500 x 8 bytes
+    assert lb.peak == 4000 + 3 * 500 + 4000  # x, y, the mask, the source and the running count
+    del x, y
+
+
+def test_tiled_prefill_repeats_the_kv_at_new_positions():
+    """ask_memory.tiled: a prefill's tokens, values and surprisal repeated, its keys de-rotated, repeated and rotated
+    at their new positions (each tile's keys, rotated back, are the first tile's pre-RoPE keys)."""
+    from sekv_core.prefill import prefill
+    from sekv_core.sekv import rope
+
+    model = am.geometry_model(1, 4, 2, 16, 32, 64)
+    with torch.inference_mode():
+        res = prefill(model, torch.arange(40) % 1000, with_surprisal=True)
+    t = am.tiled(res, 100)
+    assert t.n_tokens == 100 and torch.equal(t.token_ids[40:80], res.token_ids) and torch.equal(t.values[0][:, 80:], res.values[0][:, :20])
+    assert torch.equal(t.surprisal[40:80], res.surprisal)
+    inv, sc = rope.inv_freq_of(res.shape), res.shape.rope_attention_scaling
+    pre = rope.undo(res.keys[0].float(), *rope.cos_sin(torch.arange(40), inv, sc))
+    back = rope.undo(t.keys[0].float(), *rope.cos_sin(torch.arange(100), inv, sc))
+    for a in (0, 40, 80):
+        assert torch.allclose(back[:, a : a + 20], pre[:, :20], atol=2e-2)
+
+
+def test_a_fetch_index_is_half_the_words_it_gathers():
+    """blocks.gather's word index is int32 where every word's index fits: a fetch makes its words and at most half as
+    many bytes of index (an int64 index was as large as the words: a fill's first-forward peak at 128K)."""
+    from sekv_core.sekv import factorize as fz
+
+    lens = torch.tensor([3, 17, 33, 40, 64, 70, 100, 5])
+    x = torch.randn(2, int(lens.sum()), 32, generator=torch.Generator().manual_seed(14))
+    f = fz.stack_kv(fz.factorize(x, lens, energy=0.9, rank_max=16, int8=True), fz.factorize(x.flip(-1), lens, energy=0.95, rank_max=16, int8=True))
+    b = fb.build(f, lens, 32, "cpu", pin=False)
+    pair = torch.arange(2 * lens.numel())
+    with am.LiveBytes() as lb:
+        rows = fb.gather(b, pair, b.last[pair])
+    idx = torch.minimum(torch.arange(b.stride).view(1, -1), b.last[pair].long().view(-1, 1)) + pair.view(-1, 1) * b.stride
+    assert b.cols.dtype == torch.int32 and torch.equal(rows, b.words[idx])  # each block's words, its last one repeated
+    words = rows.numel() * 8
+    assert lb.peak <= words + words // 2 + 4096, (lb.peak, words)
 
 
 def test_pieces_cover_a_range_and_cut_only_at_multiples_of_the_piece(monkeypatch):

@@ -406,6 +406,25 @@ def test_decode_places_vt_rows_as_boolean_masks_do(kw):
             codec.decode_factors(dict(t, **{"vt.lead": t["vt.lead"][:-1]}), LENS, 64, **kw)
 
 
+@pytest.mark.parametrize("kw", [codec.DEFAULT, dict(codec.VALUES_3BIT, scales="log8"), dict(codec.DEFAULT, lead=0), dict(codec.DEFAULT, lead=40)])
+def test_decode_in_chunks_and_runs_gives_the_whole_decode(kw, monkeypatch):
+    """decode_factors a chunk of codes at a time, its us columns re-ordered a run of blocks at a time and its vt rows
+    placed by row indices (the host's ranks): the int8 factors of decoding every element at once, re-ordering them
+    by one column_order and placing the vt rows by boolean masks."""
+    x = torch.randn(2, int(LENS.sum()), 64, generator=torch.Generator().manual_seed(11))
+    f = fz.factorize(x, LENS, energy=0.99, rank_max=32, int8=True)
+    t = codec.encode_factors(f, LENS, 64, **kw)
+    cus, mus, _, _ = codec.code_names(kw["levels"])
+    n_us = int((f.rank * LENS.view(1, -1)).sum())
+    whole = codec.decode(t[cus], t[mus], n_us, kw["group"], kw["levels"])
+    assert n_us > 4 * 8 * kw["group"]  # several chunks below
+    want_us = whole[codec.column_order(LENS.view(1, -1).expand_as(f.rank), f.rank)] if kw["order"] == "col" else whole
+    want_vt = _reference_vt(t, f.rank, 64, kw)
+    monkeypatch.setattr(codec, "_ENCODE_CHUNK", 256)  # decode chunks of 8 groups, runs of few blocks
+    g = codec.decode_factors(t, LENS, 64, **kw)
+    assert torch.equal(g.us, want_us) and torch.equal(g.vt, want_vt)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_decode_reads_nothing_back():
     """A pack's factors decoded on CUDA with the host's sizes: no host sync (torch's sync debug mode raises on one),
@@ -422,9 +441,11 @@ def test_cuda_decode_reads_nothing_back():
     torch.cuda.set_sync_debug_mode("error")
     try:
         g = codec.decode_factors(on, lens, 64, **kw, sizes=sizes)
+        h = codec.decode_factors(on, lens, 64, **kw, sizes=sizes, rank_host=f.rank, span_host=LENS)  # in runs, rows by index
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert torch.equal(g.us.cpu(), cpu.us) and torch.equal(g.vt.cpu(), cpu.vt) and torch.equal(g.us_scale.cpu(), cpu.us_scale)
+    for x in (g, h):
+        assert torch.equal(x.us.cpu(), cpu.us) and torch.equal(x.vt.cpu(), cpu.vt) and torch.equal(x.us_scale.cpu(), cpu.us_scale)
 
 
 @pytest.mark.parametrize("kw", [codec.DEFAULT, dict(codec.VALUES_3BIT, scales="log8"), dict(codec.DEFAULT, lead=0), dict(codec.DEFAULT, lead=40)])

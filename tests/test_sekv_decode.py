@@ -256,6 +256,51 @@ def test_blocks_with_the_hosts_largest_rank_are_the_same_words():
     assert torch.equal(a.words, b.words) and torch.equal(a.used, b.used) and (a.stride, a.r_max, a.n_max) == (b.stride, b.r_max, b.n_max)
 
 
+@pytest.mark.parametrize("int8", [True, False])
+def test_blocks_built_a_run_at_a_time_are_the_same_words(int8, monkeypatch):
+    """The re-layout's padded factors filled a run of (kind, group, span) blocks at a time (blocks.SCATTER_ELEMS: on
+    CUDA each masked_scatter_ makes an int64 count of its whole destination) lay the words of one fill of each, and
+    the blocks still rebuild every span's factors (each block's rows against its packed factors' product)."""
+    lens = torch.tensor([3, 17, 33, 40, 64, 70, 100, 5])
+    x = torch.randn(2, int(lens.sum()), 32, generator=torch.Generator().manual_seed(12))
+    fk, fv = fz.factorize(x, lens, energy=0.9, rank_max=16, int8=int8), fz.factorize(x.flip(-1), lens, energy=0.95, rank_max=16, int8=int8)
+    f = fz.stack_kv(fk, fv)
+    whole = blocks.build(f, lens, 32, "cpu", pin=False)
+    monkeypatch.setattr(blocks, "SCATTER_ELEMS", 100)  # a block or two a run
+    runs = blocks.build(f, lens, 32, "cpu", pin=False)
+    assert torch.equal(whole.words, runs.words) and torch.equal(whole.used, runs.used)
+    pair = torch.arange(2 * lens.numel())
+    rows, _ = blocks.fetch(runs, pair, torch.ones_like(pair, dtype=torch.bool))
+    us, vt = blocks.unpack(runs, rows)
+    rec = us @ vt
+    first = torch.cumsum(lens, 0) - lens
+    for k, ref in enumerate((fz.reconstruct_all(fk, lens, 32), fz.reconstruct_all(fv, lens, 32))):
+        for p_ in pair.tolist():
+            gg, i = divmod(p_, lens.numel())
+            n = int(lens[i])
+            assert torch.allclose(rec[p_, k, :n], ref[gg, first[i] : first[i] + n], atol=1e-5)
+
+
+def test_unpack_scales_in_place_as_a_product_does():
+    """blocks.unpack scales its dequantised copies in place: the values of the codes times their scales (the previous
+    code's products), bit for bit, in the model dtype and float32, and the blocks' words untouched."""
+    lens = torch.tensor([3, 17, 33, 40, 64, 70, 100, 5])
+    x = torch.randn(2, int(lens.sum()), 32, generator=torch.Generator().manual_seed(13))
+    f = fz.stack_kv(fz.factorize(x, lens, energy=0.9, rank_max=16, int8=True), fz.factorize(x.flip(-1), lens, energy=0.95, rank_max=16, int8=True))
+    b = blocks.build(f, lens, 32, "cpu", pin=False)
+    words = b.words.clone()
+    pair = torch.arange(2 * lens.numel())
+    rows, _ = blocks.fetch(b, pair, torch.ones_like(pair, dtype=torch.bool))
+    p, (oa, ob, oc, od), nm, rm = rows.shape[0], b.sections, b.n_max, b.r_max
+    by = rows.view(torch.uint8)
+    for dtype in (torch.bfloat16, torch.float32):
+        us, vt = blocks.unpack(b, rows, dtype)
+        want_vt = by[:, oa : oa + 2 * rm * 32].view(torch.int8).reshape(p, 2, rm, 32).to(dtype) * by[:, ob : ob + 4 * rm].view(torch.float16).reshape(p, 2, rm, 1).to(dtype)
+        want_us = by[:, od : od + nm * 2 * rm].view(torch.int8).reshape(p, nm, 2, rm).to(dtype) * by[:, oc : oc + 4 * nm].view(torch.float16).reshape(p, nm, 2, 1).to(dtype)
+        assert torch.equal(vt, want_vt) and torch.equal(us, want_us.transpose(1, 2))
+    assert torch.equal(b.words, words)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_blocks_build_reads_nothing_back_before_its_copy():
     """On CUDA, given the host's span lengths and largest rank, the re-layout makes no host sync before the blocks'
@@ -278,11 +323,17 @@ def test_cuda_blocks_build_reads_nothing_back_before_its_copy():
     syncs = [x for x in w if "synchroniz" in str(x.message).lower()]
     assert len(syncs) <= 1, [str(x.message) for x in syncs]  # the copy of the blocks to pinned host memory
     assert torch.equal(b.words, ref.words)
-    # wait=False (gpu_step.build_blocks: one wait for every layer): not even that copy waits
+    # wait=False (gpu_step.build_blocks: one wait for every layer): not even that copy waits; nor with the host's
+    # ranks, a run of blocks at a time (bounded temporaries)
     torch.cuda.set_sync_debug_mode("error")
     try:
         c = blocks.build(on, lens, 32, "cuda", pin=True, work_device="cuda", r_max=int(f.rank.max()), wait=False)
+        old, blocks.SCATTER_ELEMS = blocks.SCATTER_ELEMS, 100
+        try:
+            e = blocks.build(on, lens, 32, "cuda", pin=True, work_device="cuda", r_max=int(f.rank.max()), wait=False, rank_host=f.rank)
+        finally:
+            blocks.SCATTER_ELEMS = old
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    assert torch.equal(c.words, ref.words)
+    assert torch.equal(c.words, ref.words) and torch.equal(e.words, ref.words)

@@ -77,7 +77,8 @@ class Blocks:
     n_max: int
     d: int
     uva: bool
-    cols: torch.Tensor  # [1, stride] long: 0..stride-1 on the device (a fetch's word offsets; a constant, not a table)
+    cols: torch.Tensor  # [1, stride] 0..stride-1 on the device (a fetch's word offsets; a constant, not a table), int32
+    # where every word's index fits (a fetch's index tensor is as large as the words it gathers: half of it in int32)
 
     @property
     def used(self) -> torch.Tensor:
@@ -90,7 +91,7 @@ class Blocks:
 
 
 def build(f: fz.Factors, span_len: torch.Tensor, d: int, device, pin: bool, work_device=None, r_max: int | None = None,
-          wait: bool = True, keep: bool = False) -> Blocks:
+          wait: bool = True, keep: bool = False, rank_host: torch.Tensor | None = None) -> Blocks:
     """Re-lay one layer's packed factors, K and V stacked (``fz.stack_kv``: rank [2 Hkv, S], V blocks are
     heads Hkv..2Hkv-1), as fixed-stride blocks (see module doc).
 
@@ -100,7 +101,9 @@ def build(f: fz.Factors, span_len: torch.Tensor, d: int, device, pin: bool, work
     to the host.  ``wait`` False: that copy into pinned memory is left in flight on the current stream (the caller
     synchronises once for all layers before the host or another stream reads them: gpu_step.build_blocks).
     ``keep``: the blocks stay where they were re-laid (``work_device``: device memory the step gathers from
-    directly, no pinning); :class:`HostPinning` moves them to pinned host memory later.
+    directly, no pinning); :class:`HostPinning` moves them to pinned host memory later.  ``rank_host``: ``f.rank``
+    on the host (the pack's), where ``f`` is on the device: the padded tensors are filled a run of blocks at a time
+    (bounded temporaries, :data:`SCATTER_ELEMS`), with nothing read back from the device.
     """
     device = torch.device(device)
     wd = torch.device(work_device) if work_device is not None else torch.device("cpu")
@@ -114,13 +117,20 @@ def build(f: fz.Factors, span_len: torch.Tensor, d: int, device, pin: bool, work
     r = f.rank.long().to(wd)
     rm = r_max if r_max is not None else (int(r.max()) if r.numel() else 0)
     # the packed order is (kind, g, i, row, col): fill zero-padded tensors with boolean masks in that order
-    # (masked_scatter_: the masked elements in order from the packed ones, no count read back as indexing would)
+    # (masked_scatter_: the masked elements in order from the packed ones, no count read back as indexing would),
+    # a run of (kind, g, i) blocks at a time where the ranks are on the host (_scatter_runs)
+    rh = rank_host if rank_host is not None else f.rank if f.rank.device.type == "cpu" else None
+    rh = None if rh is None else rh.long()
+    nh = span_len.long().cpu() if rh is not None else None
     rows_ok = (torch.arange(nm, device=wd).view(1, 1, -1) < n.view(1, -1, 1)).expand(h2, -1, -1)  # [2Hkv, S, nm]
     cols_ok = torch.arange(rm, device=wd).view(1, 1, -1) < r.unsqueeze(-1)  # [2Hkv, S, rm]
     us = torch.zeros(h2, s, nm, rm, dtype=dt, device=wd)
-    us.masked_scatter_(rows_ok.unsqueeze(-1) & cols_ok.unsqueeze(2), f.us.to(wd))
+    hs = h2 * s
+    us_mask = lambda a, b: rows_ok.reshape(hs, nm)[a:b].unsqueeze(-1) & cols_ok.reshape(hs, rm)[a:b].unsqueeze(1)  # noqa: E731
+    _scatter_runs(us.view(hs, nm, rm), us_mask, f.us.to(wd), None if rh is None else (rh * nh.view(1, -1)).flatten())
     vt = torch.zeros(h2, s, rm, d, dtype=dt, device=wd)
-    vt.masked_scatter_(cols_ok.unsqueeze(-1).expand(-1, -1, -1, d), f.vt.to(wd))
+    vt_mask = lambda a, b: cols_ok.reshape(hs, rm)[a:b].unsqueeze(-1).expand(-1, -1, d)  # noqa: E731
+    _scatter_runs(vt.view(hs, rm, d), vt_mask, f.vt.to(wd), None if rh is None else (rh * d).flatten())
     sc = 2 if int8 else 0
     la, lb, lc, ld = 2 * rm * d * es, 2 * rm * sc, nm * 2 * sc, nm * 2 * rm * es
     oa = 0
@@ -130,19 +140,22 @@ def build(f: fz.Factors, span_len: torch.Tensor, d: int, device, pin: bool, work
     stride = max(1, _al_i(od + ld) // _A)
     nb = hkv * s
     buf = torch.zeros(nb, stride * _A, dtype=torch.uint8, device=wd)
+    # each section written from a permuted view of its padded tensor (no contiguous copy of it first)
     if la:
-        buf[:, oa : oa + la].view(dt).copy_(vt.view(2, hkv, s, rm, d).permute(1, 2, 0, 3, 4).reshape(nb, -1))  # [2, r, d] per block
+        buf[:, oa : oa + la].view(dt).view(hkv, s, 2, rm, d).copy_(vt.view(2, hkv, s, rm, d).permute(1, 2, 0, 3, 4))  # [2, r, d] per block
+    del vt
     if ld:
-        buf[:, od : od + ld].view(dt).copy_(us.view(2, hkv, s, nm, rm).permute(1, 2, 3, 0, 4).reshape(nb, -1))  # [n, 2, r] per block
+        buf[:, od : od + ld].view(dt).view(hkv, s, nm, 2, rm).copy_(us.view(2, hkv, s, nm, rm).permute(1, 2, 3, 0, 4))  # [n, 2, r] per block
+    del us
     if int8:
         uss = torch.zeros(h2, s, nm, dtype=torch.float16, device=wd)
-        uss.masked_scatter_(rows_ok, f.us_scale.to(wd))
+        _scatter_runs(uss.view(hs, nm), lambda a, b: rows_ok.reshape(hs, nm)[a:b], f.us_scale.to(wd), None if nh is None else nh.repeat(h2))
         vts = torch.zeros(h2, s, rm, dtype=torch.float16, device=wd)
-        vts.masked_scatter_(cols_ok, f.vt_scale.to(wd))
+        _scatter_runs(vts.view(hs, rm), lambda a, b: cols_ok.reshape(hs, rm)[a:b], f.vt_scale.to(wd), None if rh is None else rh.flatten())
         if lb:
-            buf[:, ob : ob + lb].view(torch.float16).copy_(vts.view(2, hkv, s, rm).permute(1, 2, 0, 3).reshape(nb, -1))  # [2, r]
+            buf[:, ob : ob + lb].view(torch.float16).view(hkv, s, 2, rm).copy_(vts.view(2, hkv, s, rm).permute(1, 2, 0, 3))  # [2, r]
         if lc:
-            buf[:, oc : oc + lc].view(torch.float16).copy_(uss.view(2, hkv, s, nm).permute(1, 2, 3, 0).reshape(nb, -1))  # [n, 2]
+            buf[:, oc : oc + lc].view(torch.float16).view(hkv, s, nm, 2).copy_(uss.view(2, hkv, s, nm).permute(1, 2, 3, 0))  # [n, 2]
     used = (od + n.view(1, -1).expand(hkv, -1) * 2 * rm * es + _A - 1) // _A  # [Hkv, S] words
     words = buf.view(-1).view(torch.int64)
     if not keep and (wd.type != "cpu" or pin):
@@ -160,8 +173,35 @@ def build(f: fz.Factors, span_len: torch.Tensor, d: int, device, pin: bool, work
         n_max=nm,
         d=d,
         uva=view is not None,
-        cols=torch.arange(stride, device=device).view(1, -1),
+        cols=torch.arange(stride, device=device, dtype=torch.int32 if nb * stride < 2**31 else torch.long).view(1, -1),
     )
+
+
+#: the most destination elements one masked_scatter_ of the re-layout takes (_scatter_runs): on CUDA it makes an int64
+#: running count of its whole destination (8 bytes an element: 8x an int8 padded factor tensor, over a GiB for an 8B
+#: model's layer at 128K tokens, made while a first question may wait for the build); 4M elements: 32 MiB of it
+SCATTER_ELEMS = 4 << 20
+
+
+def _scatter_runs(dst: torch.Tensor, mask, src: torch.Tensor, counts: torch.Tensor | None) -> None:
+    """``dst.masked_scatter_(mask(0, B), src)`` for dst [B, ...] and mask(a, b) the mask of dst[a:b], a run of
+    whole rows of dst at a time (at most SCATTER_ELEMS elements, at least one row): each run takes the next
+    counts[a:b].sum() elements of src (counts [B], the masked elements of each row, on the host).  counts None: one
+    masked_scatter_ (no sizes on the host: none is read back from the device)."""
+    rows = dst.shape[0]
+    per = max(1, dst[0].numel()) if rows else 1
+    if counts is None or rows * per <= SCATTER_ELEMS:
+        if dst.numel():
+            dst.masked_scatter_(mask(0, rows), src)
+        return
+    step = max(1, SCATTER_ELEMS // per)
+    ends = torch.cumsum(counts.long(), 0).tolist()
+    o = 0
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        e = ends[b - 1]
+        dst[a:b].masked_scatter_(mask(a, b), src[o:e])
+        o = e
 
 
 def to_host(words: torch.Tensor, pin: bool, non_blocking: bool = False) -> torch.Tensor:
@@ -275,7 +315,7 @@ def fetch(b: Blocks, pair: torch.Tensor, ok: torch.Tensor, count: bool = True) -
 
 def gather(b: Blocks, pair: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     """:func:`fetch`'s gather: the words 0..last[p] of each block pair[p] (the last one repeated to the stride)."""
-    idx = torch.minimum(b.cols, last.view(-1, 1)).add_(pair.view(-1, 1), alpha=b.stride)
+    idx = torch.minimum(b.cols, last.view(-1, 1).to(b.cols.dtype)).add_(pair.view(-1, 1).to(b.cols.dtype), alpha=b.stride)
     if b.uva or b.src.device == pair.device:
         rows = b.src.index_select(0, idx.flatten())
     else:  # no mapped view (not pinned, or the runtime refused it): gather on the host, one copy
@@ -296,9 +336,9 @@ def unpack(b: Blocks, rows: torch.Tensor, dtype=torch.float32) -> tuple[torch.Te
     by = rows.view(torch.uint8)
     vt = by[:, oa : oa + 2 * rm * d * es].view(dt).reshape(p, 2, rm, d).to(dtype)
     us = by[:, od : od + nm * 2 * rm * es].view(dt).reshape(p, nm, 2, rm).to(dtype)
-    if b.int8:
-        vt = vt * by[:, ob : ob + 2 * rm * 2].view(torch.float16).reshape(p, 2, rm, 1).to(dtype)
-        us = us * by[:, oc : oc + nm * 2 * 2].view(torch.float16).reshape(p, nm, 2, 1).to(dtype)
+    if b.int8:  # scaled in place: the int8 words were copied into new tensors just above (the same values as a product)
+        vt.mul_(by[:, ob : ob + 2 * rm * 2].view(torch.float16).reshape(p, 2, rm, 1).to(dtype))
+        us.mul_(by[:, oc : oc + nm * 2 * 2].view(torch.float16).reshape(p, nm, 2, 1).to(dtype))
     return us.transpose(1, 2), vt
 
 

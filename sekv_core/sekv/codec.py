@@ -167,10 +167,23 @@ def _encode(q: torch.Tensor, group: int, levels: str) -> tuple[torch.Tensor, tor
 
 
 def decode(codes: torch.Tensor, maxima: torch.Tensor, n: int, group: int, levels: str = "nf4") -> torch.Tensor:
-    """Inverse of :func:`encode`: int8 [n]."""
+    """Inverse of :func:`encode`: int8 [n].  Decoded a chunk of elements at a time (as encode codes them: groups and
+    bytes never straddle two chunks), so the float and index temporaries stay ~16 bytes x the chunk, not x n (an 8B
+    model's layer at 128K tokens: tens of millions of elements, decoded on the device while a first question waits)."""
     bits = bits_of(levels)
     if codes.numel() != (n * bits + 7) // 8 or maxima.numel() != n_groups(n, group):
         raise ValueError(f"factor codec: {codes.numel()} codes / {maxima.numel()} group maxima do not hold {n} elements in groups of {group}")
+    step = max(1, _encode_chunk(codes) // (8 * group)) * 8 * group
+    if n <= step:
+        return _decode(codes, maxima, n, group, levels, bits)
+    out = torch.empty(n, dtype=torch.int8, device=codes.device)
+    for a in range(0, n, step):
+        m = min(step, n - a)
+        out[a : a + m] = _decode(codes[a * bits // 8 : (a * bits + m * bits + 7) // 8], maxima[a // group : a // group + n_groups(m, group)], m, group, levels, bits)
+    return out
+
+
+def _decode(codes: torch.Tensor, maxima: torch.Tensor, n: int, group: int, levels: str, bits: int) -> torch.Tensor:
     lv = LEVELS[levels].to(codes.device, non_blocking=True)  # pageable: staged at once, no stream sync on CUDA
     g = maxima.numel()
     x = torch.zeros(g * group, dtype=torch.float32, device=codes.device)
@@ -205,6 +218,25 @@ def column_order(rows: torch.Tensor, cols: torch.Tensor, total: int | None = Non
 
 def _us_order(rank: torch.Tensor, span_len: torch.Tensor, total: int | None = None) -> torch.Tensor:
     return column_order(span_len.long().view(1, -1).expand_as(rank), rank, total)
+
+
+def _from_columns(x: torch.Tensor, rank: torch.Tensor, span_len: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_to_columns`, ``x[_us_order(rank, span_len)]``, a run of whole blocks at a time (rank and
+    span_len on the host): the index temporaries stay ~_ENCODE_CHUNK elements."""
+    rows = span_len.long().view(1, -1).expand_as(rank).flatten()
+    cols = rank.long().flatten()
+    size = rows * cols
+    out = torch.empty_like(x)
+    end = torch.cumsum(size, 0)
+    dev = x.device
+    b0, o0, chunk = 0, 0, _encode_chunk(x)
+    while b0 < size.numel():
+        b1 = max(b0 + 1, int(torch.searchsorted(end, o0 + chunk, right=True)))
+        o1 = int(end[b1 - 1])
+        order = column_order(rows[b0:b1].to(dev, non_blocking=True), cols[b0:b1].to(dev, non_blocking=True), o1 - o0)
+        out[o0:o1] = x[o0:o1][order]
+        b0, o0 = b1, o1
+    return out
 
 
 def _to_columns(us: torch.Tensor, rank: torch.Tensor, span_len: torch.Tensor) -> torch.Tensor:
@@ -326,28 +358,42 @@ def scale_names(scales: str) -> tuple[str, ...]:
 
 
 def decode_factors(t: dict[str, torch.Tensor], span_len: torch.Tensor, d: int, *, group: int, levels: str, order: str, lead: int, scales: str = "fp16",
-                   sizes: tuple[int, int, int] | None = None) -> fz.Factors:
+                   sizes: tuple[int, int, int] | None = None, rank_host: torch.Tensor | None = None, span_host: torch.Tensor | None = None) -> fz.Factors:
     """Inverse of :func:`encode_factors` (tensors on one device): the int8 factors factorize.pack wrote, up to
     the code's error.  ``sizes``: :func:`factor_sizes` of the ranks, read on the host by the caller; with them a
     decode on an accelerator reads nothing back from it (no host sync): the vt rows are placed by their running
-    counts instead of boolean indexing."""
+    counts instead of boolean indexing.  ``rank_host`` / ``span_host``: the ranks and span lengths on the host (the
+    pack's): the us columns are re-ordered a run of blocks at a time and the vt rows placed by row indices made
+    there, so the decode's temporaries stay bounded (a chunk, or a row index) instead of int64 tensors of every
+    element (the same int8 factors, bit for bit)."""
     rank = t["rank"]
+    if rank_host is None and rank.device.type == "cpu":
+        rank_host = rank
+    if rank_host is not None and span_host is None:
+        span_host = span_len.cpu()
     n_us, n_rows, n_lead = sizes if sizes is not None else factor_sizes(rank, span_len, lead)
     cus, mus, cvt, mvt = code_names(levels)
     us = decode(t[cus], t[mus], n_us, group, levels)
     if order == "col":
-        us = us[_us_order(rank, span_len.to(rank.device), n_us)]
-    lm = _lead_mask(rank, d, lead, n_rows)
+        us = _from_columns(us, rank_host, span_host) if rank_host is not None else us[_us_order(rank, span_len.to(rank.device), n_us)]
     n_other = (n_rows - n_lead) * d
     rest = decode(t[cvt], t[mvt], n_other, group, levels)
     lead_vals = t["vt.lead"]
     if lead_vals.numel() != n_lead * d:
         raise ValueError(f"factor codec: {lead_vals.numel()} leading vt elements where the ranks give {n_lead * d}")
-    if n_lead == 0:
+    if rank_host is not None and n_lead and n_other:  # rows placed by their indices from the host's ranks (encode's
+        # _vt_rows): two row copies, not an int64 running count and two gathers of every element
+        lead_rows, rest_rows = (i.to(rest.device, non_blocking=True) for i in _vt_rows(rank_host, lead))
+        vt = torch.empty(n_rows, d, dtype=torch.int8, device=rest.device)
+        vt.index_copy_(0, lead_rows, lead_vals.view(-1, d))
+        vt.index_copy_(0, rest_rows, rest.view(-1, d))
+        vt = vt.view(-1)
+    elif n_lead == 0:
         vt = rest
     elif n_other == 0:
         vt = lead_vals.clone()
     else:  # element i is the c_i-th leading one or the (i - c_i)-th other one, c_i the leading ones up to i
+        lm = _lead_mask(rank, d, lead, n_rows)
         c = torch.cumsum(lm, 0)
         i = torch.arange(lm.numel(), device=lm.device)
         vt = torch.where(lm, lead_vals[(c - 1).clamp_min(0)], rest[(i - c).clamp(0, n_other - 1)])
@@ -402,7 +448,7 @@ def read_factors(store, names: set[str], prefix: str, device=None, to_host: bool
         host = {k: store.get(f"{prefix}.{k}") for k in parts}
         sizes = factor_sizes(host["rank"], span_len, cfg["lead"])  # on the host: the decode there reads nothing back
         t = {k: v.to(device, non_blocking=True) for k, v in host.items()}  # pageable: staged at once, no stream sync
-        f = decode_factors(t, span_len.to(device, non_blocking=True), head_dim, **cfg, sizes=sizes)
+        f = decode_factors(t, span_len.to(device, non_blocking=True), head_dim, **cfg, sizes=sizes, rank_host=host["rank"], span_host=span_len)
         return fz.Factors(*(x.cpu() for x in (f.us, f.vt, f.rank, f.us_scale, f.vt_scale))) if to_host else f
     with fz.single_thread():  # element-wise passes over ~1M elements: two threads were 5x slower on our 2-core CPU
         return decode_factors({k: store.get(f"{prefix}.{k}") for k in parts}, span_len, head_dim, **cfg)
@@ -440,7 +486,7 @@ def _read_segments(store, prefix, parts, segs, span_len, head_dim, cfg, device, 
             t = {k: store.get(segment_name(prefix, j, k)).to(dev) for k in parts if k != "rank"}
             t["rank"] = rank[:, a:b].contiguous().to(dev)
             sizes = factor_sizes(rank[:, a:b], span_len[a:b], cfg["lead"])  # the host's ranks: no sync on CUDA
-            f = decode_factors(t, span_len[a:b].to(dev), head_dim, **cfg, sizes=sizes)
+            f = decode_factors(t, span_len[a:b].to(dev), head_dim, **cfg, sizes=sizes, rank_host=rank[:, a:b], span_host=span_len[a:b])
             pieces.append(({"us": f.us, "vt": f.vt, "rank": f.rank, "us_scale": f.us_scale, "vt_scale": f.vt_scale}, span_len[a:b].to(dev)))
         f = merge_factors(pieces, head_dim)
     return fz.Factors(*(x.cpu() for x in (f.us, f.vt, f.rank, f.us_scale, f.vt_scale))) if cuda and to_host else f

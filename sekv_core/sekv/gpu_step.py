@@ -76,7 +76,7 @@ def build_blocks(res: Residents, keep: float = 0.0) -> list[fb.Blocks]:
     try:
         for i in range(res.shape.n_layers):
             b = fb.build(res.factors.on_device(i), res.span_len, res.shape.head_dim, res.device, pin=res.cuda, work_device=wd,
-                         r_max=res.factors.rank_max(i), wait=not res.cuda, keep=res.cuda)
+                         r_max=res.factors.rank_max(i), wait=not res.cuda, keep=res.cuda, rank_host=_rank_host(res, i))
             out.append(b)
             if not res.cuda:
                 continue
@@ -97,6 +97,13 @@ def build_blocks(res: Residents, keep: float = 0.0) -> list[fb.Blocks]:
     return out
 
 
+def _rank_host(res, i: int) -> torch.Tensor | None:
+    """Layer i's ranks on the host where the pack's factors give them (the re-layout fills a run of blocks at a time
+    with them: bounded temporaries, nothing read back from the device), else None."""
+    f = getattr(res, "factors", None)
+    return f.rank_host(i) if hasattr(f, "rank_host") else None
+
+
 def _to_locked(b: fb.Blocks, host, device) -> None:
     """A layer's blocks copied from the device into their page-locked host memory (a future), the copy left in flight
     on the current stream; the device copy is dropped (its memory reused after the copy, on that stream)."""
@@ -113,7 +120,7 @@ def _build_blocks_per_layer(res: Residents) -> list[fb.Blocks]:
         cuda = dev.type == "cuda"
         with torch.cuda.device(dev) if cuda else contextlib.nullcontext():
             out.append(fb.build(res.factors.on_device(i, dev), res.span_len, res.shape.head_dim, dev, pin=cuda, work_device=dev if cuda else None,
-                                r_max=res.factors.rank_max(i), wait=not cuda))
+                                r_max=res.factors.rank_max(i), wait=not cuda, rank_host=_rank_host(res, i)))
     for dev in dict.fromkeys(d for d in res.layer_devices if d.type == "cuda"):  # one wait a device
         torch.cuda.current_stream(dev).synchronize()
     return out
@@ -489,7 +496,8 @@ class BatchedStep:
             mine = mine & cand.t()[i]
         visible = (mine.index_select(0, p_of) & slot_ok).t()  # [H, U]
         # the question's tokens in as few chunks as keep each float32 score tensor [H, chunk, T | U] near SCOUT_CHUNK_BYTES
-        q_chunk = max(16, SCOUT_CHUNK_BYTES // max(1, 4 * h * max(keys.shape[-2], u)))
+        # (at most two of each alive in flat_attention; at 128K tokens of the 8B shape, U ~ 74K slots: 7 tokens a chunk)
+        q_chunk = max(1, SCOUT_CHUNK_BYTES // max(1, 4 * h * max(keys.shape[-2], u)))
         opened = getattr(resident_mask, "open", None)
         if opened is not None:  # the forward's mask with nothing expanded, the expanded coarse entries hidden in the scores
             out = flat_attention(query, keys, values, opened, rk, rv, visible, scaling, q_chunk=q_chunk, coarse_hidden=(*resident_mask.coarse, expanded))

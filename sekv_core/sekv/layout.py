@@ -99,6 +99,10 @@ class PackFactors:
         """Layer i's largest rank, K and V, from the pack's rank tensors (host memory: no device read)."""
         return max((int(self.store.get(f"sekv.{kind}.{i}.rank").max()) for kind in ("fk", "fv") if self.span_len.numel()), default=0)
 
+    def rank_host(self, i: int) -> torch.Tensor:
+        """Layer i's ranks, K then V stacked as ``on_device`` stacks them [2 Hkv, S], from the pack's tensors (host)."""
+        return torch.cat([self.store.get(f"sekv.{kind}.{i}.rank") for kind in ("fk", "fv")])
+
     def load_all(self) -> "PackFactors":
         for i in range(len(self)):
             self[i]
