@@ -11,14 +11,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from sekv_core import methods, models
+from sekv_core.bench import tasks as bench_tasks
+from sekv_core.sekv.params import ABLATIONS
 from sekv_core.errors import SekvError
 
 from .common import DeviceMapOpt, DeviceOpt, MaxMemoryOpt, ModelOpt, placement, user_errors
 from .display import err
 
 TASK_HELP = (
-    "niah, mk_niah, mn_niah, mv_niah, vt, cwe, qa, qa_heldout, qa_long (one long document: --doc-file); "
-    "`ruler` = mk_niah,mv_niah,vt,cwe; `all` (without qa_long); comma-separated. "
+    f"{', '.join([*bench_tasks.GRID_TASKS, *bench_tasks.QA_TASKS])}, qa_long (one long document: --doc-file); "
+    f"`ruler` = {','.join(bench_tasks.GROUPS['ruler'])}; `all` (without qa_long); comma-separated. "
     "`report` re-writes summary.md and the plots of the directory given next (or --out)"
 )
 
@@ -123,7 +125,7 @@ def bench(
     method_names: str = typer.Option("full", "--methods", help="comma-separated cache methods, or `all`; `full` always runs too (the reference). "
                                      "A variant: METHOD:key=value or METHOD:ABLATION, e.g. sekv:tau_mode=global"),
     ablations: str = typer.Option(None, "--ablations", help="sekv's named ablations to add as variants (comma-separated, or `all`): "
-                                  "no-svd, fixed-chunks, no-anchors, mean-pool, global-tau, untrained-router, per-layer-routing, 8bit-factors"),
+                                  + ", ".join(ABLATIONS)),
     budgets: str = typer.Option("0.05,0.1,0.2", "--budgets", help="resident KV fractions for methods with a `budget` parameter"),
     lengths: str = typer.Option("4K,8K", "--lengths", help="context lengths in model tokens of the document prefix (4096 or 4K)"),
     depths: str = typer.Option("0,25,50,75,100", "--depths", help="needle depths in percent (niah, mk_niah, mn_niah)"),
