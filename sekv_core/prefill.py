@@ -8,6 +8,7 @@ same forward's logits (the LM head is applied in row blocks so the
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Sequence
 
 import torch
@@ -26,9 +27,15 @@ _HEAD_BLOCK = 256
 _HEAD_BLOCK_CUDA = 2048  # rows of float32 logits at once on a GPU (1 GB at a 128K vocabulary)
 
 
+#: measurement knob: the prefill's chunk when the caller gives none, whatever the device (benchmarks/gpu_cli.py runs
+#: `sekv ingest` under it to compare chunk sizes with a plain prefill's one forward)
+CHUNK_ENV = "SEKV_PREFILL_CHUNK"
+
+
 def default_chunk(device: torch.device) -> int:
-    """The prefill's chunk (tokens a forward) on ``device`` when the caller gives none."""
-    return CUDA_CHUNK if device.type == "cuda" else DEFAULT_CHUNK
+    """The prefill's chunk (tokens a forward) on ``device`` when the caller gives none ($SEKV_PREFILL_CHUNK when set)."""
+    env = int(os.environ.get(CHUNK_ENV) or 0)
+    return env if env > 0 else CUDA_CHUNK if device.type == "cuda" else DEFAULT_CHUNK
 
 
 def prefill(
