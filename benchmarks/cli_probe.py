@@ -99,8 +99,8 @@ def _import_transformers() -> None:
 def _install_ingest_stages() -> None:
     """Where `sekv ingest`'s time goes inside its prefill and its compress, without a device sync added (they would
     change the overlap they measure): RECORD["ingest_stream"]: the prefill thread's seconds inside the pipelined
-    stream's per-chunk hook (sekv_core/chunk_stream.py: the tier's rows launched, the rows handed to the pack's
-    writer) and, of them, the seconds it waited for the writer's queue (pack.PackWriter.submit: the writer behind);
+    stream's hook (sekv_core/chunk_stream.py ChunkStream.layer, "chunks" its calls: a layer's rows of a chunk; the
+    tier's rows launched, the rows handed to the pack's writer) and, of them, the seconds it waited for the writer's queue (pack.PackWriter.submit: the writer behind);
     RECORD["compress_events"]: sekv compress's progress events (sekv/compress.py PROGRESS) as (event, seconds from
     the first window's compress start: "window_start", after that window's prefill), its end last (host clock: a layer group's event comes after its ranks' read-back, a sync)."""
     import sekv_core.chunk_stream as cs
@@ -108,7 +108,7 @@ def _install_ingest_stages() -> None:
     import sekv_core.sekv.compress as sc
 
     st = RECORD.setdefault("ingest_stream", {"on_chunk_s": 0.0, "submit_wait_s": 0.0, "chunks": 0, "compress_submit_wait_s": 0.0})
-    call, submit, inside = cs.ChunkStream.__call__, pack.PackWriter.submit, []
+    call, submit, inside = cs.ChunkStream.layer, pack.PackWriter.submit, []
 
     def on_chunk(self, *a, **k):
         t = time.perf_counter()
@@ -127,7 +127,7 @@ def _install_ingest_stages() -> None:
         finally:
             st["submit_wait_s" if inside else "compress_submit_wait_s"] += time.perf_counter() - t
 
-    cs.ChunkStream.__call__, pack.PackWriter.submit = on_chunk, timed_submit
+    cs.ChunkStream.layer, pack.PackWriter.submit = on_chunk, timed_submit
     events, outer, windows, window = RECORD.setdefault("compress_events", []), sc.PROGRESS, sc.compress_windows, sc.compress_window
     t0 = [None]
 
