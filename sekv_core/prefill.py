@@ -115,8 +115,10 @@ def prefill(
             chunk = max(chunk, kv_offload.OFFLOAD_CHUNK)
     else:
         kv = GrowingKV(shape.n_layers, shape.n_kv_heads, shape.head_dim, shape.dtype, devices, max(n, 1))
-        one_device = all(d == device for d in devices)
-        chunk = chunk or default_chunk(device, n, whole_fits(model, shape, device) if one_device else None)
+        # one forward: not for a model across devices, nor under the attention-mass statistic (its scores would span
+        # every key for every query instead of the keys so far: twice the work of chunks)
+        whole = all(d == device for d in devices) and "attn_mass" not in capture
+        chunk = chunk or default_chunk(device, n, whole_fits(model, shape, device) if whole else None)
     if capture:
         from .methods.scores import ScoreMemory
 
