@@ -96,6 +96,64 @@ def _import_transformers() -> None:
             pass
 
 
+def _install_ingest_stages() -> None:
+    """Where `sekv ingest`'s time goes inside its prefill and its compress, without a device sync added (they would
+    change the overlap they measure): RECORD["ingest_stream"]: the prefill thread's seconds inside the pipelined
+    stream's hook (sekv_core/chunk_stream.py ChunkStream.layer, "chunks" its calls: a layer's rows of a chunk; the
+    tier's rows launched, the rows handed to the pack's writer) and, of them, the seconds it waited for the writer's queue (pack.PackWriter.submit: the writer behind);
+    RECORD["compress_events"]: sekv compress's progress events (sekv/compress.py PROGRESS) as (event, seconds from
+    the first window's compress start: "window_start", after that window's prefill), its end last (host clock: a layer group's event comes after its ranks' read-back, a sync)."""
+    import sekv_core.chunk_stream as cs
+    import sekv_core.pack as pack
+    import sekv_core.sekv.compress as sc
+
+    st = RECORD.setdefault("ingest_stream", {"on_chunk_s": 0.0, "submit_wait_s": 0.0, "chunks": 0, "compress_submit_wait_s": 0.0})
+    call, submit, inside = cs.ChunkStream.layer, pack.PackWriter.submit, []
+
+    def on_chunk(self, *a, **k):
+        t = time.perf_counter()
+        inside.append(1)
+        try:
+            return call(self, *a, **k)
+        finally:
+            inside.pop()
+            st["on_chunk_s"] += time.perf_counter() - t
+            st["chunks"] += 1
+
+    def timed_submit(self, *a, **k):
+        t = time.perf_counter()
+        try:
+            return submit(self, *a, **k)
+        finally:
+            st["submit_wait_s" if inside else "compress_submit_wait_s"] += time.perf_counter() - t
+
+    cs.ChunkStream.layer, pack.PackWriter.submit = on_chunk, timed_submit
+    events, outer, windows, window = RECORD.setdefault("compress_events", []), sc.PROGRESS, sc.compress_windows, sc.compress_window
+    t0 = [None]
+
+    def note(event: str) -> None:
+        if t0[0] is None:
+            t0[0] = time.perf_counter()
+        events.append([event, round(time.perf_counter() - t0[0], 4)])
+
+    def progress(event, **info):
+        note(event)
+        if outer is not None:
+            outer(event, **info)
+
+    def compress_window(*a, **k):  # a window's compress, after its prefill (the windows' prefills run inside compress_windows)
+        note("window_start")
+        return window(*a, **k)
+
+    def compress_windows(*a, **k):
+        try:
+            return windows(*a, **k)
+        finally:
+            note("end")
+
+    sc.PROGRESS, sc.compress_windows, sc.compress_window = progress, compress_windows, compress_window
+
+
 def _install() -> None:
     import sekv_core.graphed_step as gs
     import sekv_core.ingest as ing
@@ -148,6 +206,7 @@ def _install() -> None:
         RECORD["ingest"] = {k: getattr(r, k) for k in ("n_tokens", "prefill_s", "compress_s", "write_s", "total_s", "pack_bytes", "raw_kv_fp16_bytes", "after_prefill_s", "written_in_prefill", "pipelined") if hasattr(r, k)}
 
     wrap(ing, "ingest", "ingest", after=note_ingest)
+    _install_ingest_stages()
 
     open_raw = session.Session.open.__func__
 

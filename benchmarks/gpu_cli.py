@@ -13,6 +13,13 @@ scout pass, the first token and the decode.
     python -m benchmarks.gpu_cli run --docs bench_out/gpu_cli/docs --model qwen2.5-0.5b --methods full,sekv \\
         --chat 3 --out bench_out/gpu_cli/result.json
 
+Before a document's methods, a plain transformers prefill of the same tokens runs in a process of its own
+(benchmarks/plain_prefill.py: one `model(ids, use_cache=True, logits_to_keep=1)` forward, or transformers' chunked
+prefill when that does not fit; `plain_prefill_mode` says which): `plain_prefill_s`, and `ingest_over_plain` =
+(the ingest's prefill + compress + write) / plain_prefill_s, the ingest target's ratio.  `ingest_over_own_prefill`
+divides by the ingest's own prefill instead (its hooks, the surprisal's LM head and the pipelined writes inside it).
+`--no-plain` skips the reference.
+
 Each question's TTFT is split into the scout pass, the factor blocks' wait inside it, the first forward and the
 CUDA-graph captures after the first token.  `--profile DIR` also runs a two-question chat per pack under
 torch.profiler (a process of its own: the other numbers stay unprofiled) and appends a compact table per question
@@ -140,6 +147,23 @@ def run_cli(args: list[str], *, probe: bool, env_extra: dict | None = None, stdi
     return rec
 
 
+def run_plain(doc: dict, docs_dir: Path, a: argparse.Namespace) -> dict:
+    """The document's plain transformers prefill in a process of its own (benchmarks/plain_prefill.py: the ingest's
+    tokens, one forward or transformers' chunked prefill, model load excluded) -> {rc, wall_s, stderr_tail,
+    plain_prefill_s, mode, tokens}."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", "benchmarks.plain_prefill", "--model", a.model, "--doc", str(docs_dir / doc["file"])]
+    cmd += ["--device", a.device] if a.device else []
+    t = time.perf_counter()
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    rec = {"rc": p.returncode, "wall_s": time.perf_counter() - t, "stderr_tail": p.stderr[-3000:]}
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode == 0 and lines:
+        rec.update(json.loads(lines[-1]))
+    return rec
+
+
 def _found(answer: str, expected: str) -> bool:
     from sekv_core.bench.scoring import contains
 
@@ -201,6 +225,29 @@ def _unattributed(p: dict) -> float | None:
             - p["phases"].get("session_open", {}).get("s", 0.0) - asks)
 
 
+def compress_split(events: list) -> dict:
+    """sekv compress's seconds by stage from the probe's events ([event, seconds], benchmarks/cli_probe.py): the
+    segmentation and plan (to "window"), the scout profiles ("profile"), the layer groups (to the last "layers"), the
+    merge (router, lexical index, the scales' codes: "merge_done") and the rest ("end"); {} when there are none.
+    A windowed document's are summed over its windows."""
+    out: dict = {}
+    last = None
+    names = {"window": "segment_plan_s", "profile": "profile_s", "layers": "layers_s", "window_done": "window_rest_s",
+             "merge_done": "merge_s", "end": "end_s"}
+    for event, t in events:
+        if event == "window_start" or last is None:
+            last = t
+            if event == "window_start":
+                continue
+        key = names.get(event)
+        if key is None:  # "merge" (per layer), "retry": inside the stage that follows
+            continue
+        out[key] = round(out.get(key, 0.0) + t - last, 4)
+        last = t
+    out["layer_groups"] = sum(1 for e, _ in events if e == "layers")
+    return out if events else {}
+
+
 def summarize(rec: dict) -> dict:
     """The row of the table: seconds, GiB, tokens/s."""
     ing, ask = rec.get("ingest", {}), rec.get("ask", {})
@@ -219,6 +266,7 @@ def summarize(rec: dict) -> dict:
     a0 = a0 or first
     ingest = ip.get("ingest") or {}
     parts = [ingest.get(k) for k in ("prefill_s", "compress_s", "write_s")]
+    plain = rec.get("plain") or {}
     return {
         "doc": rec["doc"],
         "tokens": rec["tokens"],
@@ -232,8 +280,19 @@ def summarize(rec: dict) -> dict:
         # for one window), and the pack bytes already written by then
         "after_prefill_s": ingest.get("after_prefill_s"),
         "written_in_prefill_mib": (ingest.get("written_in_prefill") or 0) / (1 << 20),
-        # the issue's ingest ratio: prefill + compress + the pack written, over the plain prefill of the same tokens
-        "ingest_over_prefill": sum(parts) / parts[0] if None not in parts and parts[0] else None,
+        # the ingest's own ratio: prefill + compress + the pack written, over the ingest's own prefill (its hooks, the
+        # surprisal's LM head and the pipelined writes inside)
+        "ingest_over_own_prefill": sum(parts) / parts[0] if None not in parts and parts[0] else None,
+        # the reference: a plain transformers prefill of the same tokens, a process of its own (run_plain), and the
+        # target's ratio: prefill + compress + the pack written, over it
+        "plain_prefill_s": plain.get("plain_prefill_s"),
+        "plain_prefill_mode": plain.get("mode"),
+        "ingest_over_plain": sum(parts) / plain["plain_prefill_s"] if None not in parts and plain.get("plain_prefill_s") else None,
+        # inside the prefill: the prefill thread's seconds in the pipelined stream's per-chunk hook, and of them its
+        # waits for the pack writer's queue (the writer behind); after it: compress's stages (compress_split)
+        "prefill_stream_s": (ip.get("ingest_stream") or {}).get("on_chunk_s"),
+        "prefill_writer_wait_s": (ip.get("ingest_stream") or {}).get("submit_wait_s"),
+        "compress_split": compress_split(ip.get("compress_events") or []),
         "ingest_gpu_peak_gib": (ip.get("gpu") or {}).get("max_allocated_bytes", 0) / GIB,
         "ingest_rss_gib": ing.get("max_rss_bytes", 0) / GIB,
         "pack_mib": rec.get("pack_bytes", 0) / (1 << 20),
@@ -291,7 +350,8 @@ def summarize(rec: dict) -> dict:
 
 COLS = [
     ("tokens", "tokens", "{}"), ("method", "method", "{}"), ("ingest_wall_s", "ingest", "{:.1f}"), ("pack_mib", "pack MiB", "{:.1f}"),
-    ("ingest_over_prefill", "ingest/prefill", "{:.2f}"), ("prefill_s", "prefill", "{:.2f}"), ("after_prefill_s", "after prefill", "{:.2f}"),
+    ("ingest_over_plain", "ingest/plain", "{:.2f}"), ("plain_prefill_s", "plain prefill", "{:.2f}"),
+    ("ingest_over_own_prefill", "ingest/own prefill", "{:.2f}"), ("prefill_s", "prefill", "{:.2f}"), ("after_prefill_s", "after prefill", "{:.2f}"),
     ("written_in_prefill_mib", "MiB in prefill", "{:.0f}"), ("ask_wall_s", "ask", "{:.2f}"), ("import_s", "import", "{:.2f}"), ("transformers_import_s", "tf import", "{:.2f}"), ("cuda_init_s", "CUDA", "{:.2f}"), ("other_s", "other", "{:.2f}"), ("load_s", "load", "{:.2f}"), ("pack_read_s", "read", "{:.2f}"),
     ("sha256_s", "sha256", "{:.2f}"), ("open_s", "open", "{:.2f}"), ("scout_s", "scout", "{:.3f}"), ("step_build_s", "build", "{:.3f}"), ("blocks_wait_s", "wait", "{:.3f}"),
     ("first_forward_s", "1st fwd", "{:.3f}"), ("ttft_s", "TTFT", "{:.3f}"),
@@ -326,6 +386,11 @@ def run(a: argparse.Namespace) -> list[dict]:
     results = []
     t0, longest = time.perf_counter(), 0.0
     for doc in docs:
+        plain = None if a.no_plain else run_plain(doc, docs_dir, a)  # the reference every method's ingest is divided by
+        if plain is not None:
+            print(json.dumps({"doc": doc["name"], **{k: plain.get(k) for k in ("rc", "plain_prefill_s", "mode", "tokens")}}), flush=True)
+            if plain["rc"] != 0:
+                print(f"plain prefill failed (rc {plain['rc']}):\n{plain['stderr_tail']}", flush=True)
         for method in a.methods:
             spent = time.perf_counter() - t0
             if a.budget_s and spent + longest > a.budget_s:  # the next cell would likely overrun: record it as skipped
@@ -334,10 +399,12 @@ def run(a: argparse.Namespace) -> list[dict]:
             else:
                 tc = time.perf_counter()
                 rec = bench_doc(doc, docs_dir, method, a, work)
+                if plain is not None:
+                    rec["plain"] = plain
                 longest = max(longest, time.perf_counter() - tc)
             results.append(rec)
             row = summarize(rec)
-            print(json.dumps({k: row[k] for k in ("doc", "method", "ingest_rc", "ask_rc", "ingest_wall_s", "ingest_over_prefill", "ask_wall_s", "ttft_s", "tok_per_s", "found", "chat_ttft_s")}), flush=True)
+            print(json.dumps({k: row[k] for k in ("doc", "method", "ingest_rc", "ask_rc", "ingest_wall_s", "ingest_over_plain", "ingest_over_own_prefill", "ask_wall_s", "ttft_s", "tok_per_s", "found", "chat_ttft_s")}), flush=True)
             for part in ("ingest", "ask", "chat", "profile"):
                 if rec.get(part, {}).get("rc") not in (0, None):
                     print(f"{part} failed (rc {rec[part]['rc']}):\n{rec[part]['stderr_tail']}", flush=True)
@@ -384,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--keep-packs", action="store_true")
     r.add_argument("--out", default=None, help="JSON with every number")
     r.add_argument("--no-ask", action="store_true", help="no separate `ask` process: the chat's first question is a process's first ask")
+    r.add_argument("--no-plain", action="store_true", help="no plain transformers prefill per document (no ingest/plain column)")
     r.add_argument("--budget-s", type=float, default=0, help="start no (document, method) cell that would likely end past this many seconds (0: no limit)")
     a = ap.parse_args(argv)
     if a.cmd == "docs":

@@ -18,8 +18,10 @@ wait for the device on CUDA) and ``--cprofile N`` prints compress + write's N co
 ``--ingest`` runs the product's ingest (sekv_core/ingest.py, a pack on disk) on a random-weight model of the 8B's KV
 geometry in 4 small layers (benchmarks/gpu_cli.py SHAPES["kv8b"], bfloat16, qwen2.5-0.5b's tokenizer) over a text of
 --tokens random words, sequential (SEKV_INGEST_PIPELINE=0) and pipelined, and prints for each: prefill, compress
-and write seconds, the time after the prefill, ingest / prefill, the pack bytes written before the prefill ended,
-and a timeline of the pack writer's writes (seconds from the prefill's start, in tenths of the ingest).
+and write seconds, the time after the prefill, ingest / its own prefill, ingest / a plain transformers prefill of the
+same tokens (benchmarks/plain_prefill.py, timed once before the ingests, its line printed first), the pack bytes
+written before the prefill ended, and a timeline of the pack writer's writes (seconds from the prefill's start, in
+tenths of the ingest).
 """
 
 from __future__ import annotations
@@ -82,6 +84,12 @@ def ingest_both(tokens: int, where: str | None, repeat: int, device: str = "cpu"
             text.append(line)
             n += len(lm.tokenizer(line)["input_ids"])
         (d / "doc.txt").write_text("\n".join(text))
+        from benchmarks import plain_prefill as pp
+
+        plain_model, plain_tok, plain_dev, _ = pp.load_plain(str(d / "model"), device, torch.bfloat16)
+        plain = pp.timed_prefill(plain_model, pp.document_ids(plain_tok, d / "doc.txt"), plain_dev)
+        del plain_model
+        print(json.dumps(plain), flush=True)
         rows = []
         for mode in ("0", "1") * max(1, repeat):
             os.environ[ing.PIPELINE_ENV] = mode
@@ -93,7 +101,8 @@ def ingest_both(tokens: int, where: str | None, repeat: int, device: str = "cpu"
                 bins[min(9, int(10 * a / max(end, 1e-9)))] += nb
             rows.append({"pipelined": r.pipelined, "tokens": r.n_tokens, "prefill_s": round(r.prefill_s, 3), "compress_s": round(r.compress_s, 3),
                          "write_s": round(r.write_s, 3), "after_prefill_s": round(r.after_prefill_s, 3),
-                         "ingest_over_prefill": round(end / r.prefill_s, 3), "pack_mib": round(r.pack_bytes / 2**20, 1),
+                         "ingest_over_own_prefill": round(end / r.prefill_s, 3), "plain_prefill_s": round(plain["plain_prefill_s"], 3),
+                         "ingest_over_plain": round(end / plain["plain_prefill_s"], 3), "pack_mib": round(r.pack_bytes / 2**20, 1),
                          "written_in_prefill_mib": round(r.written_in_prefill / 2**20, 1),
                          "writes_by_tenth_mib": [round(b / 2**20, 1) for b in bins], "prefill_end_tenth": round(10 * r.prefill_s / end, 2)})
             print(json.dumps(rows[-1]), flush=True)

@@ -1,15 +1,18 @@
-"""Pack tensors made a prefill chunk at a time and written while the prefill runs (sekv_core/ingest.py's pipelined
-ingest).
+"""Pack tensors made a layer's prefill rows at a time and written while the prefill runs (sekv_core/ingest.py's
+pipelined ingest).
 
-A chunk's tokens' K / V are final once the chunk has passed every layer (causal attention).  A stream places its
-tensors in the pack before the prefill (pack.PackWriter.reserve: [Hkv, N, ...] each, N the document's tokens), makes
-their rows of each chunk on the prefill's device as the chunk completes (``rows_of``: a subclass's arithmetic), and
-hands them to the pack's writer thread, which copies them to the host (CUDA: into page-locked staging memory on a
-stream of its own, once the kernels that made them are done) and writes each tensor's rows of each KV head where
-they belong.  Subclasses: sekv's zoom tier (sekv/zoom_tier.py TierStream), full KV (methods/full.py FullStream).
+A layer's K / V of a chunk's tokens are final once that layer has attended them (causal attention): the forward's
+later layers and chunks change them no more.  A stream places its tensors in the pack before the prefill
+(pack.PackWriter.reserve: [Hkv, N, ...] each, N the document's tokens), makes each layer's rows of each chunk on the
+prefill's device as soon as that layer has appended them (``layer_rows``: a subclass's arithmetic), and hands them
+to the pack's writer thread, which copies them to the host (CUDA: into page-locked staging memory on a stream of its
+own, once the kernels that made them are done) and writes each tensor's rows of each KV head where they belong; the
+forward goes on meanwhile.  So a document prefilled in one forward (prefill.default_chunk on a GPU) is written while
+it runs all the same.  Subclasses: sekv's zoom tier (sekv/zoom_tier.py TierStream), full KV (methods/full.py
+FullStream).
 
-Called as the prefill's ``on_chunk(a, b, rows)``: global tokens [a, b) in order, ``rows(layer)`` -> (post-RoPE
-keys, values) [Hkv, b - a, d] at global positions.
+Called as the prefill's ``on_rows(layer, a, b, rows)`` (:meth:`ChunkStream.layer`): global tokens [a, b) of one
+layer, each layer's in token order, ``rows()`` -> (post-RoPE keys, values) [Hkv, b - a, d] at global positions.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ class ChunkStream:
     def __init__(self, shape, n_tokens: int):
         self.shape, self.n = shape, int(n_tokens)
         self.writer = None
-        self.covered = 0  # tokens made so far (in order)
+        self.covered = [0] * shape.n_layers  # each layer's tokens made so far (in order)
         self.staging = None  # page-locked host memory the device's rows are copied into (CUDA), reused chunk after chunk
         self.side = None
         self.bytes = 0  # bytes handed to the writer
@@ -51,15 +54,22 @@ class ChunkStream:
             writer.reserve(name, dt, shape)
 
     def __call__(self, a: int, b: int, rows) -> None:
+        """Tokens [a, b) of every layer at once (``rows(layer)``)."""
+        for li in range(self.shape.n_layers):
+            self.layer(li, a, b, lambda li=li: rows(li))
+
+    def layer(self, li: int, a: int, b: int, rows) -> None:
+        """Layer li's tokens [a, b) (``rows()`` -> its keys, values), made and handed to the writer."""
         if b <= a:
             return
-        if a != self.covered or b > self.n:
-            raise ValueError(f"a prefill stream got tokens [{a}, {b}) after [0, {self.covered}) of {self.n}")
-        self.covered = b
-        made = []
-        for li in range(self.shape.n_layers):
-            k, v = rows(li)
-            made += self.layer_rows(li, k, v, a, b)
+        if a != self.covered[li] or b > self.n:
+            raise ValueError(f"a prefill stream got layer {li}'s tokens [{a}, {b}) after [0, {self.covered[li]}) of {self.n}")
+        self.covered[li] = b
+        k, v = rows()
+        made = self.layer_rows(li, k, v, a, b)
+        del k, v
+        if not made:
+            return
         dev = made[0][1].device
         nbytes = sum(t.numel() * t.element_size() for _, t in made)
         self.bytes += nbytes
@@ -99,7 +109,7 @@ class ChunkStream:
 
     def finish(self) -> None:
         """After the prefill: every token covered; the tensors made after it appended."""
-        if self.covered != self.n:
-            raise ValueError(f"a prefill stream covered {self.covered} of {self.n} tokens")
+        if any(c != self.n for c in self.covered):
+            raise ValueError(f"a prefill stream covered {min(self.covered)} of {self.n} tokens")
         for name, t in self.finish_tensors().items():
             self.writer.put(name, t)

@@ -239,7 +239,8 @@ def ingest(
         if on_gpu:  # host memory for compress's results (every window's), ready by the time it runs
             cache_method.reserve_host(len(ids), shape, cparams)
         kw = dict(with_surprisal=cache_method.needs_surprisal, chunk=chunk, capture=scores.capture_kinds(needs),
-                  obs_window=cache_method.obs_window(params), offload_kv=offload_kv, on_chunk=stream)
+                  obs_window=cache_method.obs_window(params), offload_kv=offload_kv,
+                  on_rows=stream.layer if stream is not None else None)
         spent = {"prefill": 0.0, "end": 0.0, "written": 0}
 
         def window_prefills():

@@ -8,6 +8,7 @@ same forward's logits (the LM head is applied in row blocks so the
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Sequence
 
 import torch
@@ -26,9 +27,56 @@ _HEAD_BLOCK = 256
 _HEAD_BLOCK_CUDA = 2048  # rows of float32 logits at once on a GPU (1 GB at a 128K vocabulary)
 
 
-def default_chunk(device: torch.device) -> int:
-    """The prefill's chunk (tokens a forward) on ``device`` when the caller gives none."""
-    return CUDA_CHUNK if device.type == "cuda" else DEFAULT_CHUNK
+#: measurement knob: the prefill's chunk when the caller gives none, whatever the device (benchmarks/gpu_cli.py runs
+#: `sekv ingest` under it to compare chunk sizes with a plain prefill's one forward)
+CHUNK_ENV = "SEKV_PREFILL_CHUNK"
+
+
+#: on a GPU the whole document is one forward when its activations take at most this share of the device memory
+#: left after its KV (:func:`whole_fits`): the attention is then the fused kernels' square causal call, the one a plain
+#: transformers prefill makes; a chunk after earlier tokens takes the bottom-right causal mask, which torch serves
+#: with the flash kernel alone (torch.nn.attention.bias), and an 8B prefill of 128K tokens in 4,096-token chunks took
+#: 21.7 s through `sekv ingest` where one forward of sekv's prefill took 12.1 s (docs/gpu.md)
+WHOLE_SHARE = 0.5
+
+
+def default_chunk(device: torch.device, n_tokens: int = 0, fits=None) -> int:
+    """The prefill's chunk (tokens a forward) on ``device`` when the caller gives none: $SEKV_PREFILL_CHUNK when set;
+    on a GPU the whole document (``n_tokens``) when ``fits(n_tokens)`` says its forward fits (:func:`whole_fits`),
+    else CUDA_CHUNK; DEFAULT_CHUNK on the CPU."""
+    env = int(os.environ.get(CHUNK_ENV) or 0)
+    if env > 0:
+        return env
+    if device.type != "cuda":
+        return DEFAULT_CHUNK
+    if n_tokens > CUDA_CHUNK and fits is not None and fits(n_tokens):
+        return n_tokens
+    return CUDA_CHUNK
+
+
+def activation_bytes(config, shape: ModelShape, n_tokens: int) -> int:
+    """An upper estimate of one forward's transient device memory for n_tokens: a decoder layer's activations (the
+    MLP's gate, up and their product, the residual stream, norms, the attention's q / k / v / output in the model's
+    dtype) and the pipelined stream's float32 work on one layer's new rows (sekv/zoom_tier.py TierStream)."""
+    isz = torch.empty(0, dtype=shape.dtype).element_size()
+    hidden = int(getattr(config, "hidden_size", shape.n_heads * shape.head_dim))
+    inter = int(getattr(config, "intermediate_size", 4 * hidden) or 4 * hidden)
+    per_token = isz * (4 * inter + 8 * hidden + 2 * (shape.n_heads + 2 * shape.n_kv_heads) * shape.head_dim)
+    per_token += 4 * 6 * shape.n_kv_heads * shape.head_dim
+    return int(n_tokens) * per_token
+
+
+def whole_fits(model, shape: ModelShape, device: torch.device):
+    """fits(n) for :func:`default_chunk`: one forward of n tokens takes at most WHOLE_SHARE of the device's free
+    memory (torch's cached blocks counted free), read when called (after the KV's allocation)."""
+
+    def fits(n: int) -> bool:
+        if device.type != "cuda":
+            return False
+        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return activation_bytes(model.config, shape, n) <= WHOLE_SHARE * free
+
+    return fits
 
 
 def prefill(
@@ -41,18 +89,19 @@ def prefill(
     capture: Sequence[str] = (),
     obs_window: int = 64,
     offload_kv: bool | None = None,
-    on_chunk: Callable[[int, int, Callable], None] | None = None,
+    on_rows: Callable[[int, int, int, Callable], None] | None = None,
 ) -> PrefillResult:
     """capture: prefill statistics to record into PrefillResult.scores (see sekv_core.methods.scores).  offload_kv:
     keep the KV in host memory, chunk by chunk (sekv_core/kv_offload.py); None: when it would not fit the GPU.
-    chunk: tokens a forward (None: :func:`default_chunk`); the outputs do not depend on it beyond rounding.
-    on_chunk(a, b, rows): called after each chunk has passed every layer, when tokens [a, b)'s KV is final (causal
-    attention); ``rows(layer)`` -> their (post-RoPE keys, values) [Hkv, b - a, d] (the pipelined ingest's work that
-    needs only those tokens, sekv_core/ingest.py)."""
+    chunk: tokens a forward (None: :func:`default_chunk`: on a GPU the whole document when it fits); the outputs do
+    not depend on it beyond rounding.  on_rows(layer, a, b, rows): called inside the forward as soon as a layer has
+    appended tokens [a, b), when their KV in that layer is final (causal attention; each layer's calls in token
+    order); ``rows()`` -> their (post-RoPE keys, values) [Hkv, b - a, d] (the pipelined ingest's work that needs only
+    those rows, sekv_core/chunk_stream.py: it runs while the later layers and chunks compute).  ``progress(done,
+    total)`` is called as each layer of a chunk completes (done: the chunk's tokens pro rata of its layers)."""
     from . import kv_offload, placement
 
     device = placement.input_device(model)
-    chunk = chunk or default_chunk(device)
     devices = placement.layer_devices(model)  # each layer's KV where the layer computes
     ids = token_ids.to(device).view(1, -1)
     n = ids.shape[1]
@@ -61,10 +110,15 @@ def prefill(
         offload_kv = not kv_offload.kv_fits(shape, n, devices)
     if offload_kv:
         kv = kv_offload.HostKV(shape.n_layers, shape.n_kv_heads, shape.head_dim, shape.dtype, devices, max(n, 1))
+        chunk = chunk or default_chunk(device)
         if device.type != "cpu":
             chunk = max(chunk, kv_offload.OFFLOAD_CHUNK)
     else:
         kv = GrowingKV(shape.n_layers, shape.n_kv_heads, shape.head_dim, shape.dtype, devices, max(n, 1))
+        # one forward: not for a model across devices, nor under the attention-mass statistic (its scores would span
+        # every key for every query instead of the keys so far: twice the work of chunks)
+        whole = all(d == device for d in devices) and "attn_mass" not in capture
+        chunk = chunk or default_chunk(device, n, whole_fits(model, shape, device) if whole else None)
     if capture:
         from .methods.scores import ScoreMemory
 
@@ -72,12 +126,13 @@ def prefill(
     else:
         memory = FullMemory(kv, shape)
     memory.layer_devices = devices
+    tap = _LayerTap(memory, on_rows, progress, n, offload_kv, device) if on_rows is not None or progress is not None else memory
     head = model.get_output_embeddings()
     surprisal = torch.zeros(n, dtype=torch.float32, device=device)  # to the host once, at the end: no sync per block
     block = _HEAD_BLOCK_CUDA if device.type == "cuda" else _HEAD_BLOCK
     for start in range(0, n, chunk):
         piece = ids[:, start : start + chunk]
-        hidden = runtime.forward_hidden(model, piece, start, memory)[0]
+        hidden = runtime.forward_hidden(model, piece, start, tap)[0]
         if with_surprisal:
             # logits at position t predict token t+1; -log p = logsumexp(logits) - logit of the target
             targets = ids[0, start + 1 : start + piece.shape[1] + 1]
@@ -87,11 +142,6 @@ def prefill(
                     logits = head(hidden[b : b + tgt.numel()]).float()
                     s = logits.logsumexp(-1) - logits.gather(1, tgt.view(-1, 1)).squeeze(1)
                     surprisal[start + 1 + b : start + 1 + b + tgt.numel()] = s
-        if on_chunk is not None:
-            end = start + piece.shape[1]
-            on_chunk(start, end, lambda li, a=start, b=end: _rows(memory.kv, li, a, b, offload_kv, device))
-        if progress:
-            progress(min(start + chunk, n), n)
     surprisal = surprisal.cpu()
     if offload_kv:  # host buffers, read by compress() a layer at a time on the input device
         keys, values = kv.layers(n, device)
@@ -103,6 +153,28 @@ def prefill(
     scores = memory.export() if capture else {}
     return PrefillResult(ids[0].cpu(), keys, values, surprisal if with_surprisal else None, shape, scores=scores,
                          model_fingerprint=str(getattr(model, "sekv_fingerprint", "")), model_id=str(getattr(model, "sekv_model_id", "")), model=model)
+
+
+class _LayerTap:
+    """The prefill's memory as the model's attention sees it (runtime.Memory): each layer's new tokens attended and
+    appended by ``memory``, then handed to ``on_rows(layer, a, b, rows)`` while the forward goes on to the next layer
+    (their KV is final: causal attention), and the progress counted a layer at a time."""
+
+    def __init__(self, memory, on_rows, progress, n: int, offloaded: bool, device: torch.device):
+        self.memory, self.on_rows, self.progress, self.n = memory, on_rows, progress, n
+        self.offloaded, self.device = offloaded, device
+        self.layer_devices = memory.layer_devices
+        self.n_layers = len(memory.kv.len)
+
+    def attend(self, layer, query, key, value, scaling):
+        a = self.memory.kv.len[layer]
+        out = self.memory.attend(layer, query, key, value, scaling)
+        b = a + key.shape[-2]
+        if self.on_rows is not None:
+            self.on_rows(layer, a, b, lambda: _rows(self.memory.kv, layer, a, b, self.offloaded, self.device))
+        if self.progress is not None:
+            self.progress(a + (b - a) * (layer + 1) // self.n_layers, self.n)
+        return out
 
 
 def _rows(kv, li: int, a: int, b: int, offloaded: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,7 +197,7 @@ def prefill_window(
     capture: Sequence[str] = (),
     obs_window: int = 64,
     offload_kv: bool | None = None,
-    on_chunk: Callable[[int, int, Callable], None] | None = None,
+    on_rows: Callable[[int, int, int, Callable], None] | None = None,
 ) -> PrefillResult:
     """One window of a windowed ingest (sekv_core/windows.py): its header, carried context and own part prefilled at
     native positions; returned is its own part only, at global positions (keys and recorded queries re-rotated by
@@ -147,23 +219,23 @@ def prefill_window(
         inv = rope.inv_freq_of(ModelShape.of(model.config, next(model.parameters()).dtype))
         if inv is None:
             raise ValueError("the model's rotary embedding is not static (dynamic / partial RoPE): its windows cannot be re-positioned")
-    own_chunk = None
-    if on_chunk is not None:
+    own_rows = None
+    if on_rows is not None:
 
-        def own_chunk(a: int, b: int, rows) -> None:  # its own part's tokens, as the keys kept below
+        def own_rows(li: int, a: int, b: int, rows) -> None:  # its own part's tokens, as the keys kept below
             a0 = max(a, drop)
             if b <= a0:
                 return
 
-            def kept(li: int):
-                k, v = rows(li)
+            def kept():
+                k, v = rows()
                 k, v = k[:, a0 - a :], v[:, a0 - a :]
                 return (shift(k, delta, inv) if delta else k), v
 
-            on_chunk(a0 - drop + window.start, b - drop + window.start, kept)
+            on_rows(li, a0 - drop + window.start, b - drop + window.start, kept)
 
     r = prefill(model, torch.tensor(local), with_surprisal=with_surprisal, chunk=chunk, progress=own if progress else None,
-                capture=capture, obs_window=min(obs_window, window.n), offload_kv=offload_kv, on_chunk=own_chunk)
+                capture=capture, obs_window=min(obs_window, window.n), offload_kv=offload_kv, on_rows=own_rows)
     if isinstance(r.keys, LayersOn):  # offloaded: stays on the host, each layer re-positioned when it is read
         keys = r.keys.map(lambda k: shift(k[:, drop:], delta, inv) if delta else k[:, drop:])
         values = r.values.map(lambda v: v[:, drop:])

@@ -73,6 +73,23 @@ def test_the_pipelined_pack_holds_the_sequential_packs_tensors(lm, tmp_path, mon
     assert pip.written_in_prefill > 0 and pip.after_prefill_s > 0
 
 
+def test_one_forward_streams_each_layer_and_gives_the_sequential_pack(lm, tmp_path, monkeypatch):
+    """The whole document in one forward (a GPU's default when it fits, prefill.default_chunk): the tier's rows are
+    made and written a layer at a time inside that forward (ChunkStream.layer), and the pack is the sequential one's."""
+    from sekv_core import chunk_stream
+
+    calls = []
+    real = chunk_stream.ChunkStream.layer
+    monkeypatch.setattr(chunk_stream.ChunkStream, "layer", lambda self, li, a, b, rows: (calls.append((li, a, b)), real(self, li, a, b, rows))[1])
+    monkeypatch.setenv("SEKV_PREFILL_CHUNK", "1000000")
+    seq, pip = _ingest_both(lm, tmp_path, monkeypatch, SAMPLE_MD, {"zoom_tier": "int8"})
+    n = pip.n_tokens
+    assert calls == [(li, 0, n) for li in range(lm.model.config.num_hidden_layers)]
+    want, _ = _tensors(seq.pack_path)
+    got, _ = _tensors(pip.pack_path)
+    assert_same_pack(got, want)
+
+
 def test_full_kv_written_during_the_prefill_is_the_sequential_pack(lm, tmp_path, monkeypatch):
     monkeypatch.setenv(PIPELINE_ENV, "0")
     seq = ingest(SAMPLE_MD, tmp_path / "seq.sekv", lm=lm, method="full", chunk=128)

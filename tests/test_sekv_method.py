@@ -261,17 +261,21 @@ def test_cuda_path_matches_cpu():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_host_copies_with_every_arena():
-    """compress() moves its GPU results to the host three ways (worker-thread copies into fresh memory, DMA into
-    a page-locked arena, worker-thread copies into a pre-faulted arena; what does not fit an arena falls back
-    to fresh memory): each gives exactly `.cpu()` of the tensors, submitted layer by layer."""
+    """compress() moves its GPU results to the host four ways (worker-thread copies into fresh memory, DMA into
+    a page-locked arena, DMA into page-locked staging memory then a host copy into a pre-faulted arena, worker-thread
+    copies into a pre-faulted arena when a layer's results do not fit half the staging; what does not fit an arena
+    falls back to fresh memory): each gives exactly `.cpu()` of the tensors, submitted layer by layer."""
     from sekv_core.sekv.host_copies import HostCopies as _HostCopies
 
     g = torch.Generator(device="cuda").manual_seed(0)
     dev = torch.device("cuda")
-    arenas = {"none": None, "pinned": torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True),
-              "prefault": torch.zeros(1 << 20, dtype=torch.uint8), "too small": torch.zeros(3000, dtype=torch.uint8)}
-    for name, arena in arenas.items():
-        copies, out, ref = _HostCopies(dev, arena), {}, {}
+    pin = lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True)  # noqa: E731
+    arenas = {"none": (None, None), "pinned": (pin(1 << 20), None), "prefault, staged": (torch.zeros(1 << 20, dtype=torch.uint8), pin(1 << 16)),
+              "prefault, staging too small": (torch.zeros(1 << 20, dtype=torch.uint8), pin(1 << 12)),
+              "prefault, the default staging": (torch.zeros(1 << 20, dtype=torch.uint8), None),
+              "too small": (torch.zeros(3000, dtype=torch.uint8), pin(1 << 16))}
+    for name, (arena, staging) in arenas.items():
+        copies, out, ref = _HostCopies(dev, arena, staging), {}, {}
         for layer in range(4):
             copies.submit(out)
             x = torch.randn(300, 7, device=dev, generator=g)

@@ -429,11 +429,11 @@ class CacheMethod(ABC):
         moves large results to the host may prepare that memory meanwhile (sekv does).  Default: nothing."""
 
     def prefill_stream(self, params: Params, shape: ModelShape, n_tokens: int):
-        """Pack tensors this method makes from each prefill chunk as it completes, written while the prefill runs
-        (the pipelined ingest, sekv_core/ingest.py): None (default: everything comes from compress()), or (a stream,
-        the parameters compress() then runs with, so that it leaves out what the stream made).  The stream:
-        ``start(writer)`` places its tensors in the pack (pack.PackWriter), then it is the prefill's ``on_chunk``
-        hook, then ``finish()`` after the prefill."""
+        """Pack tensors this method makes from each layer's prefill rows as they are final, written while the prefill
+        runs (the pipelined ingest, sekv_core/ingest.py): None (default: everything comes from compress()), or (a
+        stream, the parameters compress() then runs with, so that it leaves out what the stream made).  The stream
+        (sekv_core/chunk_stream.py): ``start(writer)`` places its tensors in the pack (pack.PackWriter), then its
+        ``layer`` is the prefill's ``on_rows`` hook, then ``finish()`` after the prefill."""
         return None
 
     @abstractmethod
