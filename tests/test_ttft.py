@@ -8,6 +8,7 @@ import torch
 
 from conftest import SAMPLE_MD
 from sekv_core import api as sekv
+from sekv_core import methods
 from sekv_core import session as session_mod
 from sekv_core.session import Session
 
@@ -82,3 +83,63 @@ def test_cuda_first_question_after_the_rehearsal_loads_no_kernel(packs, tiny_qwe
             s.ask("Which lamp was lit last, and by whom, in the keeper's own words?", max_new_tokens=6)
         loads = [e for e in prof.events() if e.name == "Lazy Function Loading"]
         assert not loads, (method, len(loads))
+
+
+def _scout_args(device: str):
+    """A batched sekv memory (tiny model, many spans) on ``device`` and the arguments its scout pass gave
+    scout_masses (each layer's question queries and their logsumexp over the exact keys)."""
+    from test_sekv_scout import QUESTION as SCOUT_Q, _memory
+    from sekv_core import runtime
+
+    model, res, store, p, mem = _memory("qwen2", n=600, capture=False, budget=0.3, min_span=10, window=16, zoom_unit=3)
+    if device != "cpu":
+        model = model.to(device)
+        mem = methods.get("sekv").open(store, p, res.shape, device)
+    mem.batched = True
+    mem._step()
+    got = {}
+    inner = mem.step.scout_masses
+
+    def grab(qs, others, scaling):
+        got["args"] = (qs, others, scaling)
+        return inner(qs, others, scaling)
+
+    mem.step.scout_masses = grab
+    q = torch.tensor([SCOUT_Q], device=device)
+    mem.prepare_question(lambda: runtime.forward_hidden(model, q, mem.n_tokens(), mem))
+    del mem.step.scout_masses
+    return mem, got["args"]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_scout_chunk_graphs_give_the_eager_chunks_masses(device, monkeypatch):
+    """A layer's full scoring chunks through one graph with fixed inputs (sekv/scout_graphs.py; on the CPU the same
+    fixed-input body, eagerly) give the eager loop's masses bit for bit, the pass's shorter chunks eager."""
+    from sekv_core.sekv import gpu_step, scout_graphs
+
+    mem, args = _scout_args(device)
+    st = mem.step
+    monkeypatch.setattr(gpu_step.BatchedStep, "_scout_chunk", lambda self, n_pairs, per_pair: (7, 1))  # many chunks a layer
+    monkeypatch.setattr(scout_graphs, "MIN_CHUNKS", 10**9)
+    eager = st.scout_masses(*args)
+    assert st.scout_replays == 0
+    monkeypatch.setattr(scout_graphs, "MIN_CHUNKS", 2)
+    monkeypatch.setattr(gpu_step, "SCOUT_GRAPHS_ON_CPU", True)
+    graphed = st.scout_masses(*args)
+    n_pairs = st.hkv * mem.res.n_spans
+    assert st.scout_replays == st.L * (n_pairs // 7) - 1 and scout_graphs.CAPTURE  # every full chunk but the pass's first
+    assert torch.equal(graphed, eager)
+    assert torch.equal(st.scout_masses(*args), eager)  # and again (a second question's pass)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scout_rotation_table_in_16_bits_holds_the_rotation_exactly(dtype):
+    """The scout's pass-wide rotation table is held in a 16-bit model's dtype (half the bytes, so it fits its chunk
+    bound at twice the context): rope.cos_sin_half's values for that dtype are that dtype's, so nothing changes."""
+    from sekv_core.sekv import rope
+
+    pos = torch.randint(0, 200_000, (4096,))
+    inv = 1.0 / (1e6 ** (torch.arange(0, 128, 2).float() / 128))
+    cos, sin = rope.cos_sin_half(pos, inv, 1.0, dtype=dtype)
+    assert torch.equal(cos.to(dtype).float(), cos) and torch.equal(sin.to(dtype).float(), sin)
+    assert not torch.equal(rope.cos_sin_half(pos, inv, 1.0)[0].to(dtype).float(), rope.cos_sin_half(pos, inv, 1.0)[0])  # float32's are not
