@@ -126,7 +126,7 @@ class Session:
         t0 = time.perf_counter()
         pack = read_pack(Path(pack_path))
         check_manifest(pack)
-        start_open(pack, method, lm, device, mapped=device_map is not None or max_memory is not None)
+        start_open(pack, method, lm, device, mapped=device_map is not None or max_memory is not None, overrides=params)
         if lm is None:
             # the pack only names the model: an installed embedded one or an existing local directory, never an install
             place = dict(device=device, device_map=device_map, max_memory=max_memory)
@@ -199,7 +199,8 @@ class Session:
         return Answer(text, ids, stats)
 
 
-def start_open(pack: Pack, method: str | None, lm: models.LoadedModel | None, device: str | None, mapped: bool) -> None:
+def start_open(pack: Pack, method: str | None, lm: models.LoadedModel | None, device: str | None, mapped: bool,
+               overrides: dict[str, Any] | None = None) -> None:
     """Before the model loads: the pack's method starts on a second thread what its open() will take up
     (CacheMethod.start_open: sekv's factor blocks on CUDA), for the device the model will be on when that is one
     device.  Anything that goes wrong here is left to the open, which meets it itself."""
@@ -210,7 +211,11 @@ def start_open(pack: Pack, method: str | None, lm: models.LoadedModel | None, de
             if placement.is_mapped(lm.model):
                 return
             device = placement.input_device(lm.model)
-        methods.get(pack.method).start_open(pack, manifest_shape(pack), pack.n_tokens(), device or models.default_device())
+        try:
+            params = resolve_method(pack, method, overrides)[1]
+        except Exception:  # noqa: BLE001 - the open meets a bad override itself
+            params = None
+        methods.get(pack.method).start_open(pack, manifest_shape(pack), pack.n_tokens(), device or models.default_device(), params)
     except Exception:  # noqa: BLE001 - an optimisation only
         return
 

@@ -143,3 +143,75 @@ def test_scout_rotation_table_in_16_bits_holds_the_rotation_exactly(dtype):
     cos, sin = rope.cos_sin_half(pos, inv, 1.0, dtype=dtype)
     assert torch.equal(cos.to(dtype).float(), cos) and torch.equal(sin.to(dtype).float(), sin)
     assert not torch.equal(rope.cos_sin_half(pos, inv, 1.0)[0].to(dtype).float(), rope.cos_sin_half(pos, inv, 1.0)[0])  # float32's are not
+
+
+@pytest.mark.parametrize("tier", ["factors", "int8"])
+def test_rehearsal_on_the_first_layer_runs_the_question_way_and_keeps_nothing(tier, monkeypatch):
+    """rehearse_layer (what the factor blocks' thread runs on CUDA while the model loads) takes the question's way on
+    the pack's first layer: the scout pass (its scoring in graph chunks where a layer makes several), the fixed sets'
+    fill, the first forward and a single-token step, on the accelerators' step; the pack's own memory, opened after
+    it with the same blocks, answers as one opened without it."""
+    from sekv_core.sekv import gpu_step, memory, scout_graphs, zoom_tier
+    from test_sekv_method import _setup
+
+    monkeypatch.setattr(zoom_tier, "STAGED_ON", {"cpu", "cuda"})
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.3, min_span=10, window=16, zoom_tier=tier)
+    blocks = gpu_step.build_blocks(mem.res)
+    calls = {}
+    for name in ("prepare_question", "_step"):
+        real = getattr(memory.ZoomMemory, name)
+
+        def spy(self, *a, _real=real, _name=name, **k):
+            calls.setdefault(_name, []).append(self.shape.n_layers)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(memory.ZoomMemory, name, spy)
+    from sekv_core.sekv import fixed_set
+
+    fills, replays = [], []
+    real_fill, real_run = fixed_set.FixedSets._fill, scout_graphs.ChunkGraphs.run
+    monkeypatch.setattr(fixed_set.FixedSets, "_fill", lambda self, r, layer, plan: fills.append(layer) or real_fill(self, r, layer, plan))
+    monkeypatch.setattr(scout_graphs.ChunkGraphs, "run", lambda self, *a: replays.append(a[0]) or real_run(self, *a))
+    monkeypatch.setattr(gpu_step.BatchedStep, "_scout_chunk", lambda self, n_pairs, per_pair: (7, 1))  # several chunks
+    monkeypatch.setattr(scout_graphs, "MIN_CHUNKS", 2)
+    monkeypatch.setattr(gpu_step, "SCOUT_GRAPHS_ON_CPU", True)
+    s = memory.rehearse_layer(store, p, res.shape, "cpu", blocks, batched=True)
+    assert s > 0 and calls["prepare_question"] == [1] and set(calls["_step"]) == {1} and fills == [0] and set(replays) == {0}
+    monkeypatch.undo()
+    q = torch.tensor([[5, 17, 42, 99, 7, 250, 31, 8]])
+    from sekv_core import runtime
+
+    def first_logits(blocks_given):
+        m = memory.ZoomMemory(store, p, res.shape, "cpu", blocks=blocks_given)
+        m.batched = True
+        m.prepare_question(lambda: runtime.forward_hidden(model, q, m.n_tokens(), m))
+        return runtime.forward_logits(model, q, m.n_tokens(), m), m.ranking.prio.clone()
+
+    a, pa = first_logits(blocks)  # the blocks the rehearsal used
+    b, pb = first_logits(gpu_step.build_blocks(mem.res))
+    assert torch.equal(a, b) and torch.equal(pa, pb)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tier", ["factors", "int8"])
+def test_cuda_blocks_thread_rehearses_the_first_layer(tier):
+    """On CUDA, a build started before the model loads with the ask's params (start_blocks) rehearses the question's
+    way on the pack's first layer after the build, without error; the memory that takes the build up answers as a
+    memory that built its own blocks."""
+    from sekv_core import runtime
+    from sekv_core.sekv import gpu_step, memory
+    from test_sekv_method import _setup
+
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.3, min_span=10, window=16, zoom_tier=tier)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gpu_step.start_blocks(store, res.shape, res.n_tokens, dev, p)
+    early = gpu_step._EARLY[id(store)][2]
+    early.join()
+    assert early.warm_error is None and early.rehearsal_s is not None, repr(early.warm_error)
+    model = model.to(dev)
+    q = torch.tensor([[5, 17, 42, 99, 7, 250, 31, 8]], device=dev)
+    out = []
+    for m in (memory.ZoomMemory(store, p, res.shape, dev), memory.ZoomMemory(store, p, res.shape, dev, blocks=gpu_step.build_blocks(memory.ZoomMemory(store, p, res.shape, dev).res))):
+        m.prepare_question(lambda: runtime.forward_hidden(model, q, m.n_tokens(), m))
+        out.append((runtime.forward_logits(model, q, m.n_tokens(), m), m.ranking.prio.clone()))
+    assert torch.equal(out[0][1], out[1][1]) and torch.allclose(out[0][0], out[1][0], atol=1e-5)

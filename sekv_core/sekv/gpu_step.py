@@ -134,6 +134,10 @@ def device_groups(devices: list) -> list[tuple[torch.device, list[int]]]:
 #: benchmarks/cli_probe.py turns it off with $SEKV_PROBE_WARM=0 (to compare)
 WARM_KERNELS = True
 
+#: with the ask's params known before the model loads (start_blocks), the warm-up is the question's own way through
+#: the memory on the pack's first layer (sekv/memory.py rehearse_layer) rather than warm_kernels' made-up imitation
+REHEARSE_LAYER = True
+
 
 def warm_kernels(blocks: list[fb.Blocks], shape, device, n_spans: int, n_q: int = 32) -> None:
     """The kernels of a question's scout pass and first forward, each run once on made-up inputs on ``device``: a
@@ -191,9 +195,13 @@ class BlockBuild:
     memory later.  ``result()`` joins; an
     error of the build (a damaged pack) is raised there, in the first forward, where it was raised before."""
 
-    def __init__(self, res):
+    def __init__(self, res, rehearse=None):
         """res: the opened pack (Residents), or a function run first on the thread that returns what build_blocks
-        reads of one (start_blocks: the checks of the pack, then its factors)."""
+        reads of one (start_blocks: the checks of the pack, then its factors).  rehearse: on CUDA, run after the
+        build with the blocks instead of :func:`warm_kernels` (start_blocks: the question's way on the pack's first
+        layer, sekv/memory.py rehearse_layer); None: warm_kernels."""
+        self.rehearse = rehearse
+        self.rehearsal_s: float | None = None
         self._blocks: list[fb.Blocks] | None = None
         #: what moves the layers kept in device memory to pinned host memory (None: none kept)
         self.pinning: fb.HostPinning | None = None
@@ -221,7 +229,10 @@ class BlockBuild:
         if res.cuda and WARM_KERNELS:
             try:
                 with torch.inference_mode(), torch.cuda.device(res.device):
-                    warm_kernels(self._blocks, res.shape, res.device, int(res.span_len.numel()))
+                    if self.rehearse is not None:
+                        self.rehearsal_s = self.rehearse(self._blocks)
+                    else:
+                        warm_kernels(self._blocks, res.shape, res.device, int(res.span_len.numel()))
             except Exception as e:  # noqa: BLE001 - a warm-up only saves time: the question runs (and meets any error) as before
                 self.warm_error = e
 
@@ -263,7 +274,7 @@ class _Source:
         self.factors = layout.PackFactors(store, set(store.keys()), shape.n_layers, self.span_len, shape.head_dim, device)
 
 
-def start_blocks(store, shape, n_tokens: int, device) -> None:
+def start_blocks(store, shape, n_tokens: int, device, params=None) -> None:
     """The factor blocks of a pack that is about to be opened on CUDA ``device``, built on a second thread from now
     (in `sekv ask` / `chat`: while the model loads), after the tensors it reads pass the checks open() relies on
     (sekv/layout.py validate, factors_only, with the manifest's shape; a pack that fails them is not built: the open
@@ -278,7 +289,14 @@ def start_blocks(store, shape, n_tokens: int, device) -> None:
         layout.validate(store, shape, n_tokens, factors_only=True)
         return _Source(store, shape, device, n_tokens)
 
-    _EARLY[id(store)] = (store, device, BlockBuild(source))
+    rehearse = None
+    if params is not None and REHEARSE_LAYER:
+        from .memory import rehearse_layer
+
+        def rehearse(blocks):
+            return rehearse_layer(store, params, shape, device, blocks)
+
+    _EARLY[id(store)] = (store, device, BlockBuild(source, rehearse))
 
 
 def take_blocks(store, device) -> "BlockBuild | None":
