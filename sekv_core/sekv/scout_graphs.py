@@ -20,6 +20,7 @@ the graphs off for the process (CAPTURE) and the chunk runs eagerly.
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import torch
@@ -35,10 +36,12 @@ _SIDE: dict = {}
 
 
 def _side_stream(device: torch.device):
-    """The captures' stream of a device, one for the process (cuBLAS sets up its workspace once a stream)."""
-    if device not in _SIDE:
-        _SIDE[device] = torch.cuda.Stream(device)
-    return _SIDE[device]
+    """The captures' stream of a device, one a thread (cuBLAS sets up its workspace once a stream; the blocks' thread
+    may capture its rehearsal's chunks while a question captures its own)."""
+    key = (device, threading.get_ident())
+    if key not in _SIDE:
+        _SIDE[key] = torch.cuda.Stream(device)
+    return _SIDE[key]
 
 
 class ChunkGraphs:
