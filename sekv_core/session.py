@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import contextlib
+import dataclasses
 import threading
 
 from . import methods, models, placement, prompt, reach, rope_scaling
@@ -62,7 +63,7 @@ class Session:
         and is freed before the next question allocates its own.  The next ask, restrict() or rehearsal waits for
         it (an ask counts the wait in its time to first token: ``extra["rehearsal_wait_s"]``).  False where
         nothing was started (not on CUDA, unless ``force``: tests run it on the CPU; or one ran already)."""
-        if self._rehearsal is not None or self.rehearsal_s is not None:
+        if self._rehearsal is not None or self.rehearsal_s is not None or self.rehearsal_error is not None:
             return False
         device = placement.input_device(self.lm.model)
         if device.type != "cuda" and not force:
@@ -85,11 +86,12 @@ class Session:
 
     def settle(self) -> float:
         """Wait for a rehearsal in flight (rehearse); -> the seconds waited."""
-        th, self._rehearsal = self._rehearsal, None
+        th = self._rehearsal
         if th is None:
             return 0.0
         t = time.perf_counter()
-        th.join()
+        th.join()  # (interrupted, e.g. Ctrl-C: still in flight, so the next call waits again)
+        self._rehearsal = None
         return time.perf_counter() - t
 
     def restrict(self, names: list[str] | None) -> None:
@@ -215,7 +217,11 @@ def start_open(pack: Pack, method: str | None, lm: models.LoadedModel | None, de
             params = resolve_method(pack, method, overrides)[1]
         except Exception:  # noqa: BLE001 - the open meets a bad override itself
             params = None
-        methods.get(pack.method).start_open(pack, manifest_shape(pack), pack.n_tokens(), device or models.default_device(), params)
+        device = str(device or models.default_device())
+        # the attention shape the pack was made for, in the dtype the model will have (what a rehearsal runs in)
+        dtype = next(lm.model.parameters()).dtype if lm is not None else models.default_dtype(device)
+        shape = dataclasses.replace(manifest_shape(pack), dtype=dtype)
+        methods.get(pack.method).start_open(pack, shape, pack.n_tokens(), device, params)
     except Exception:  # noqa: BLE001 - an optimisation only
         return
 

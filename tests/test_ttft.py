@@ -215,3 +215,25 @@ def test_cuda_blocks_thread_rehearses_the_first_layer(tier):
         m.prepare_question(lambda: runtime.forward_hidden(model, q, m.n_tokens(), m))
         out.append((runtime.forward_logits(model, q, m.n_tokens(), m), m.ranking.prio.clone()))
     assert torch.equal(out[0][1], out[1][1]) and torch.allclose(out[0][0], out[1][0], atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_first_sekv_question_after_the_first_layer_rehearsal_loads_no_kernel(packs, tiny_qwen):
+    """On CUDA, with the model's own kernels loaded by a question of full's (what full's first question pays too), a
+    sekv session opened after it builds its blocks and rehearses the first layer before the model is loaded: its first
+    question, to its first token, then makes no lazy CUDA function load (every sekv kernel of its way ran in the
+    rehearsal)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from sekv_core import models
+
+    lm = models.load(str(tiny_qwen), device="cuda")
+    Session.open(packs["full"], lm=lm).ask(QUESTIONS[1], max_new_tokens=6)
+    s = Session.open(packs["sekv"], model=str(tiny_qwen), device="cuda")  # the build and rehearsal start before the load
+    s.memory._step()
+    s.memory._warming.join()
+    assert s.memory._warming.warm_error is None and s.memory._warming.rehearsal_s is not None
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        s.ask(QUESTIONS[0], max_new_tokens=1)  # to the first token (the decode steps' graphs come after it)
+    loads = [e for e in prof.events() if e.name == "Lazy Function Loading"]
+    assert not loads, len(loads)

@@ -619,7 +619,7 @@ class BatchedStep:
             if graphs is not None and graphs.fits(layers, a, e):
                 rows = staged.get(layers[0])
                 if rows is None:
-                    rows = self.blocks[layers[0]].src.view(-1, self.blocks[layers[0]].stride)[a:e]
+                    rows = self.blocks[layers[0]].src.view(-1, self.blocks[layers[0]].stride)[a:e].to(r.device, non_blocking=True)
                 part = graphs.run(layers[0], a, rows, lambda g, i, rows: self._scout_rows_lse(r, layers, q, g, i, scaling, tables, {layers[0]: rows}))
             if part is None:
                 part = self._scout_lse(r, layers, q, a, e, scaling, tables, staged)
@@ -633,7 +633,7 @@ class BatchedStep:
                 out.append(scout.block_masses(lse, other[l0 : l0 + len(layers)])[:, tables["block_row"]])
         if graphs is not None:
             graphs.drop()
-            self.scout_replays = graphs.replays
+        self.scout_replays = graphs.replays if graphs is not None else 0
         return torch.cat(out)
 
     def _scout_chunk(self, n_pairs: int, per_pair: int) -> tuple[int, int]:
