@@ -202,6 +202,9 @@ class BlockBuild:
         layer, sekv/memory.py rehearse_layer); None: warm_kernels."""
         self.rehearse = rehearse
         self.rehearsal_s: float | None = None
+        #: a question asked for the blocks before the build ended: then no warm-up after it (it would only run beside
+        #: that question, each slowing the other's launches; the question meets the first uses itself)
+        self.waited = False
         self._blocks: list[fb.Blocks] | None = None
         #: what moves the layers kept in device memory to pinned host memory (None: none kept)
         self.pinning: fb.HostPinning | None = None
@@ -226,7 +229,7 @@ class BlockBuild:
             return
         finally:
             self._built.set()
-        if res.cuda and WARM_KERNELS:
+        if res.cuda and WARM_KERNELS and not self.waited:
             try:
                 with torch.inference_mode(), torch.cuda.device(res.device):
                     if self.rehearse is not None:
@@ -237,6 +240,7 @@ class BlockBuild:
                 self.warm_error = e
 
     def result(self) -> list[fb.Blocks]:
+        self.waited = True
         self._built.wait()
         if self._error is not None:
             raise self._error
@@ -244,6 +248,7 @@ class BlockBuild:
 
     def result_or_none(self) -> list[fb.Blocks] | None:
         """The blocks, or None where the build failed (the caller builds them itself, and meets the error there)."""
+        self.waited = True
         self._built.wait()
         return None if self._error is not None else self._blocks
 
