@@ -17,7 +17,8 @@ timers, synchronising CUDA at their ends, and writes one JSON record to $SEKV_PR
   gpu         weights' bytes, peak allocated / reserved at exit
 
 $SEKV_PROBE_WARM=0: no warm-up of the question's kernels on the factor blocks' thread (sekv/gpu_step.py
-WARM_KERNELS; default on), to compare.  $SEKV_PROBE_FIXED_SDPA=gqa|packed|math: how sekv's fixed sets make their SDPA call (sekv/fixed_set.py
+WARM_KERNELS: the rehearsal on the pack's first layer; default on), to compare; $SEKV_PROBE_REHEARSE=0: no
+rehearsal of a made-up question by `sekv chat` (sekv_core/session.py Session.rehearse).  $SEKV_PROBE_FIXED_SDPA=gqa|packed|math: how sekv's fixed sets make their SDPA call (sekv/fixed_set.py
 SDPA_LAYOUT; default gqa), to compare the kernels the device picks; $SEKV_PROBE_FILL_SDPA: the same for the question's
 forward alone (FILL_SDPA_LAYOUT: cuDNN's plan is built per question length).  $SEKV_PROBE_PROFILE=PATH: the whole CLI under cProfile (PATH.prof, and PATH.txt: the top functions by
 cumulative time).  $SEKV_PROBE_TORCH=PATH: each ask under torch.profiler (PATH.txt: operators by CUDA and by CPU
@@ -183,6 +184,9 @@ def _install() -> None:
     if os.environ.get("SEKV_PROBE_WARM") == "0":  # no warm-up of the question's kernels on the blocks' thread
         gpu_step.WARM_KERNELS = False
     RECORD["warm_kernels"] = gpu_step.WARM_KERNELS
+    if os.environ.get("SEKV_PROBE_REHEARSE") == "0":  # no rehearsal of a made-up question in `sekv chat`
+        session.Session.rehearse = lambda self, **k: False
+    RECORD["rehearse"] = os.environ.get("SEKV_PROBE_REHEARSE") != "0"
     # the layers that build kept in device memory (moved to pinned host memory in pauses: sekv/blocks.py HostPinning)
     import sekv_core.sekv.blocks as fb
 

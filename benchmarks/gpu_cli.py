@@ -37,6 +37,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -113,8 +114,9 @@ def random_model(shape: str, out: Path, tokenizer: str, device: str, seed: int) 
 # running the CLI
 
 
-def run_cli(args: list[str], *, probe: bool, env_extra: dict | None = None, stdin: str | None = None) -> dict:
-    """One `sekv` process: -> {rc, wall_s, max_rss_bytes, stdout, stderr_tail, probe}."""
+def run_cli(args: list[str], *, probe: bool, env_extra: dict | None = None, stdin: str | None = None, pause: float = 0.0) -> dict:
+    """One `sekv` process: -> {rc, wall_s, max_rss_bytes, stdout, stderr_tail, probe}.  pause: stdin written a line
+    at a time, each line ``pause`` seconds after the one before (the first: after the process started), as typed."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
@@ -128,7 +130,9 @@ def run_cli(args: list[str], *, probe: bool, env_extra: dict | None = None, stdi
             env["SEKV_PROBE_T0"] = repr(time.time())
             t = time.perf_counter()
             p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fo, stderr=fe, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL, text=True)
-            if stdin is not None:
+            if stdin is not None and pause > 0:
+                threading.Thread(target=_type_lines, args=(p.stdin, stdin, pause), daemon=True).start()
+            elif stdin is not None:
                 p.stdin.write(stdin)
                 p.stdin.close()
             _, status, usage = os.wait4(p.pid, 0)
@@ -164,6 +168,17 @@ def run_plain(doc: dict, docs_dir: Path, a: argparse.Namespace) -> dict:
     return rec
 
 
+def _type_lines(pipe, text: str, pause: float) -> None:
+    try:
+        for line in text.splitlines(keepends=True):
+            time.sleep(pause)
+            pipe.write(line)
+            pipe.flush()
+        pipe.close()
+    except (BrokenPipeError, OSError):  # the process ended first
+        pass
+
+
 def _found(answer: str, expected: str) -> bool:
     from sekv_core.bench.scoring import contains
 
@@ -197,7 +212,7 @@ def bench_doc(doc: dict, docs_dir: Path, method: str, a: argparse.Namespace, wor
     rec["ask"] = ask
     if a.chat > 0:
         qs = (doc["questions"] * a.chat)[: a.chat]
-        chat = run_cli(["chat", str(pack), "-n", str(a.max_new_tokens), *common], probe=not a.plain, env_extra={"SEKV_PROBE_CUDA_INIT": "1"}, stdin="".join(x["question"] + "\n" for x in qs) + "/quit\n")
+        chat = run_cli(["chat", str(pack), "-n", str(a.max_new_tokens), *common], probe=not a.plain, env_extra={"SEKV_PROBE_CUDA_INIT": "1"}, stdin="".join(x["question"] + "\n" for x in qs) + "/quit\n", pause=a.chat_pause)
         asks = (chat.get("probe") or {}).get("asks", [])
         chat["found"] = [_found(x["answer"], qq["expected"]) for x, qq in zip(asks, qs)]
         rec["chat"] = chat
@@ -209,7 +224,7 @@ def bench_doc(doc: dict, docs_dir: Path, method: str, a: argparse.Namespace, wor
         env_p = {"SEKV_PROBE_CUDA_INIT": "1", "SEKV_PROBE_TORCH_TABLE": str(Path(a.profile) / "profile.txt"), "SEKV_PROBE_TORCH_ASKS": "2",
                  "SEKV_PROBE_LABEL": f"{doc['name']} ({doc['tokens']} tokens) {method}"}
         n = str(min(a.max_new_tokens, 4))  # the TTFT is what it is for: a short answer keeps the profiled decode short
-        p = run_cli(["chat", str(pack), "-n", n, *common], probe=True, env_extra=env_p, stdin="".join(x["question"] + "\n" for x in qs) + "/quit\n")
+        p = run_cli(["chat", str(pack), "-n", n, *common], probe=True, env_extra=env_p, stdin="".join(x["question"] + "\n" for x in qs) + "/quit\n", pause=a.chat_pause)
         rec["profile"] = {k: p[k] for k in ("rc", "wall_s", "stderr_tail")}
     if not a.keep_packs:
         pack.unlink(missing_ok=True)
@@ -344,6 +359,7 @@ def summarize(rec: dict) -> dict:
         # sekv: each question's host seconds by part (scout forward / scoring, the fills' plan / fill / attention, the
         # zoom tier's row ids, gather and waits): what the first forward's launches waited for
         "chat_first_token_parts": [x.get("first_token_parts") or {} for x in chat_asks],
+        "chat_rehearsal_wait_s": [round((x.get("extra") or {}).get("rehearsal_wait_s") or 0, 3) for x in chat_asks],
         "skipped": rec.get("skipped"),
     }
 
@@ -441,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--device", default=None)
     r.add_argument("--max-new-tokens", type=int, default=24)
     r.add_argument("--chat", type=int, default=0, help="questions in one `sekv chat` session per pack (0: no chat)")
+    r.add_argument("--chat-pause", type=float, default=0.0, help="seconds before each chat line, as if typed (0: all at once); "
+                   "longer than the chat's open, its first question finds the rehearsal (Session.rehearse) done")
     r.add_argument("--plain", action="store_true", help="run `python -m sekv_cli.app` without the probe (no stage timers)")
     r.add_argument("--profile", default=None, help="folder: one more two-question chat per pack, each question under torch.profiler, "
                    "compact tables (top operators and kernels, launches, host waits) appended to DIR/profile.txt")

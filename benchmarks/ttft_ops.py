@@ -127,12 +127,15 @@ class OpCount(torch.utils._python_dispatch.TorchDispatchMode):
         self.ops: collections.Counter = collections.Counter()
         self.views: collections.Counter = collections.Counter()
         self.sites: collections.Counter = collections.Counter()
+        self.muted = False  # inside a replayed graph (--graphs): its ops are one launch, counted by the replay
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         import sys
 
         name = "aten::" + func._schema.name.split("::")[-1]
-        if name in VIEWS or func.is_view:
+        if self.muted:
+            pass
+        elif name in VIEWS or func.is_view:
             self.views[name] += 1
         else:
             self.ops[name] += 1
@@ -187,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--by-function", action="store_true", help="attribute the calls to the sekv function making them (slower)")
     ap.add_argument("--syncs", action="store_true", help="list the calls that would wait for the device on CUDA, by sekv line")
     ap.add_argument("--ops", action="store_true", help="count the aten ops below autograd (the launch proxy), by name and sekv line")
+    ap.add_argument("--graphs", action="store_true", help="with --ops: the scout's scoring chunks through their fixed-input graph "
+                    "path (sekv/scout_graphs.py) as on CUDA, each replay counted as one launch (its body's ops not counted)")
+    ap.add_argument("--scout-chunk-bytes", type=int, default=None, help="SCOUT_CHUNK_BYTES (small: the chunking of a long context)")
     a = ap.parse_args(argv)
     stack = a.by_function
     torch.set_num_threads(1)
@@ -197,6 +203,33 @@ def main(argv: list[str] | None = None) -> int:
 
         mem.batched = True  # the accelerator's step, run on the CPU
         zoom_tier.STAGED_ON = {"cpu", "cuda"}  # and the zoom tier's rows staged as there (sekv/zoom_tier.py StagedRows)
+    from sekv_core.sekv import gpu_step, scout_graphs
+
+    if a.scout_chunk_bytes:
+        gpu_step.SCOUT_CHUNK_BYTES = a.scout_chunk_bytes
+    live: list = []  # the OpCount in use
+    if a.graphs:
+        gpu_step.SCOUT_GRAPHS_ON_CPU = True
+        fixed = scout_graphs.ChunkGraphs._fixed
+
+        def replayed(self, body):
+            """The pass's first chunk: eager.  A layer's first replayed chunk: its capture (its ops' launches made once
+            on the host, counted) and a replay; the others: one replay each (their ops not counted)."""
+            w = live[-1] if live else None
+            seen = self.__dict__.setdefault("_captured", set())
+            if w is None or self.replays == 0:
+                return fixed(self, body)
+            w.ops["cudaGraphLaunch"] += 1
+            if self.layer not in seen:
+                seen.add(self.layer)
+                return fixed(self, body)
+            w.muted = True
+            try:
+                return fixed(self, body)
+            finally:
+                w.muted = False
+
+        scout_graphs.ChunkGraphs._fixed = replayed
     results = []
     for k in range(a.asks):
         phases: dict[str, dict] = {}
@@ -204,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
 
         def watch():
             if a.ops:
-                return OpCount()
+                live.append(OpCount())
+                return live[-1]
             return SyncTrace() if a.syncs else torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=stack)
 
         def summary(w) -> dict:

@@ -113,6 +113,9 @@ def chat(
     overrides = method_overrides(budget, router, routing)
     session = open_session(pack, model, method, budget, device, quiet=quiet, router=router, routing=routing, device_map=device_map, max_memory=max_memory, docs=doc)
     session.compile_layers = compile_layers
+    # on CUDA, a made-up question's way through the model and the memory, run while the first question is typed:
+    # the first real question then pays no first use of a kernel (Session.rehearse; docs/gpu.md)
+    session.rehearse()
     reader = LineReader()
     if not quiet:
         name = session.pack.manifest["document"]["name"]
@@ -123,6 +126,16 @@ def chat(
             say(f"model {safe_line(session.lm.model_id)}, opened in {session.load_s:.1f} s; history file {history_path() if reader.interactive else '(none: input is not a terminal)'}")
         if reader.note:
             say((reader.note, "dim"))
+    holder = [session]
+    try:
+        _loop(holder, reader, max_new_tokens, history, show_evidence, sampling, overrides, quiet)
+    finally:  # a rehearsal still in flight ends before the process does
+        holder[0].settle()
+
+
+def _loop(holder: list, reader: LineReader, max_new_tokens: int, history: bool, show_evidence: bool, sampling: Sampling, overrides: dict, quiet: bool) -> None:
+    """chat's questions and commands until /quit or the end of input; holder[0]: the session (commands replace it)."""
+    session = holder[0]
     turns: list[Turn] = []
     exchanges: list[transcript.Exchange] = []
     last = last_session = None
@@ -157,13 +170,13 @@ def chat(
                         say(f"budget {b:.0%}" if isinstance(b, float) else f"method {session.method} has no budget")
                     else:
                         overrides = overrides | {"budget": parse_budget(arg)}
-                        session = retune(session, overrides)
+                        session = holder[0] = retune(session, overrides)
                         say(f"budget {session.params.budget:.0%} from the next question on")
                 elif cmd == "/doc":
                     if arg:
                         new = retune(session, overrides)
                         new.restrict(None if arg == "all" else [arg])
-                        session = new
+                        session = holder[0] = new
                     say(f"questions about {safe_line(', '.join(session.documents))} only" if session.documents else "questions about every document")
                 elif cmd == "/save":
                     save(reader, session, exchanges, arg)

@@ -128,7 +128,9 @@ def result_of(session: Session, answer: Answer, question: str, sampling: Samplin
 
 
 def retune(session: Session, overrides: dict[str, Any]) -> Session:
-    """The same pack and loaded model with other ask-time parameters (e.g. a budget): only the memory is rebuilt."""
+    """The same pack and loaded model with other ask-time parameters (e.g. a budget): only the memory is rebuilt
+    (after the session's rehearsal, if one is in flight: it uses the model)."""
+    session.settle()
     method, params = resolve_method(session.pack, session.method, overrides)
     lm = session.lm
     from .session import open_memory

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import contextlib
+import dataclasses
+import threading
 
 from . import methods, models, placement, prompt, reach, rope_scaling
 from .errors import PackError, SekvError
@@ -16,6 +18,13 @@ from .methods.base import KVMemory, ModelShape
 from .methods.params import Params
 from .pack import Pack, check_manifest, check_model, manifest_shape, read_pack
 from .sampling import Sampler, Sampling
+
+
+#: Session.rehearse's question (its length near a typical question's with the chat template: the question's
+#: products pick their kernels by size) and its answer's tokens (the first and two single-token steps: the step the
+#: decode graph is captured at and one more)
+REHEARSAL_QUESTION = "What is this document about, and which of its parts says the most about it?"
+REHEARSAL_TOKENS = 3
 
 
 @dataclass
@@ -40,12 +49,57 @@ class Session:
         #: restrict(): the chosen documents' names and token ranges (None: every document)
         self.documents: list[str] | None = None
         self.doc_ranges: list[tuple[int, int]] | None = None
+        self._rehearsal: threading.Thread | None = None
+        self.rehearsal_s: float | None = None  # how long the rehearsal ran (None: none ran to its end)
+        self.rehearsal_error: Exception | None = None  # what it raised (a real question meets any error anew)
+
+    def rehearse(self, *, force: bool = False) -> bool:
+        """On CUDA: ask REHEARSAL_QUESTION once on a second thread, now, and drop its answer, so that the first real
+        question finds every kernel of the question's way (the scout pass, the fixed sets' fill, the first forward,
+        the decode steps' graph capture) loaded and set up instead of paying each one's first use (lazy CUDA
+        function loading, cuBLAS / cuDNN plans).  `sekv chat` starts it when the session opens: it runs while the
+        first question is typed.  It runs the same code as any question on the same memory, which every ask
+        restores (the pack's state, a new ranking), so it changes no answer; its device memory is one question's
+        and is freed before the next question allocates its own.  The next ask, restrict() or rehearsal waits for
+        it (an ask counts the wait in its time to first token: ``extra["rehearsal_wait_s"]``).  False where
+        nothing was started (not on CUDA, unless ``force``: tests run it on the CPU; or one ran already)."""
+        if self._rehearsal is not None or self.rehearsal_s is not None or self.rehearsal_error is not None:
+            return False
+        device = placement.input_device(self.lm.model)
+        if device.type != "cuda" and not force:
+            return False
+
+        def run():
+            import torch
+
+            t = time.perf_counter()
+            try:
+                with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                    self._ask(REHEARSAL_QUESTION, max_new_tokens=REHEARSAL_TOKENS)
+                self.rehearsal_s = time.perf_counter() - t
+            except Exception as e:  # noqa: BLE001 - a rehearsal only saves time: the real question meets any error itself
+                self.rehearsal_error = e
+
+        self._rehearsal = threading.Thread(target=run, name="sekv-rehearsal", daemon=True)
+        self._rehearsal.start()
+        return True
+
+    def settle(self) -> float:
+        """Wait for a rehearsal in flight (rehearse); -> the seconds waited."""
+        th = self._rehearsal
+        if th is None:
+            return 0.0
+        t = time.perf_counter()
+        th.join()  # (interrupted, e.g. Ctrl-C: still in flight, so the next call waits again)
+        self._rehearsal = None
+        return time.perf_counter() - t
 
     def restrict(self, names: list[str] | None) -> None:
         """Limit the asks that follow to some of the pack's documents (``--doc``; None or []: all of them again): a
         sekv memory ranks only their zoom blocks, rag retrieves only their chunks, the evidence comes only from them.
         SekvError: a name the pack does not hold (the line lists its documents), a method that attends to every
         document alike."""
+        self.settle()
         if not names:
             self.memory.restrict(None)
             self.documents = self.doc_ranges = None
@@ -74,7 +128,7 @@ class Session:
         t0 = time.perf_counter()
         pack = read_pack(Path(pack_path))
         check_manifest(pack)
-        start_open(pack, method, lm, device, mapped=device_map is not None or max_memory is not None)
+        start_open(pack, method, lm, device, mapped=device_map is not None or max_memory is not None, overrides=params)
         if lm is None:
             # the pack only names the model: an installed embedded one or an existing local directory, never an install
             place = dict(device=device, device_map=device_map, max_memory=max_memory)
@@ -93,6 +147,23 @@ class Session:
         return cls(pack, lm, method, params, memory, time.perf_counter() - t0)
 
     def ask(
+        self,
+        question: str,
+        *,
+        history: list[prompt.Turn] | tuple = (),
+        max_new_tokens: int = 256,
+        on_text: Callable[[str], None] | None = None,
+        on_step: Callable[[KVMemory], None] | None = None,
+        sampling: Sampling | None = None,
+    ) -> Answer:
+        waited = self.settle()
+        answer = self._ask(question, history=history, max_new_tokens=max_new_tokens, on_text=on_text, on_step=on_step, sampling=sampling)
+        if waited:  # the question waited for the rehearsal: its first token did too
+            answer.stats.ttft_s += waited
+            answer.stats.extra["rehearsal_wait_s"] = round(waited, 6)
+        return answer
+
+    def _ask(
         self,
         question: str,
         *,
@@ -130,7 +201,8 @@ class Session:
         return Answer(text, ids, stats)
 
 
-def start_open(pack: Pack, method: str | None, lm: models.LoadedModel | None, device: str | None, mapped: bool) -> None:
+def start_open(pack: Pack, method: str | None, lm: models.LoadedModel | None, device: str | None, mapped: bool,
+               overrides: dict[str, Any] | None = None) -> None:
     """Before the model loads: the pack's method starts on a second thread what its open() will take up
     (CacheMethod.start_open: sekv's factor blocks on CUDA), for the device the model will be on when that is one
     device.  Anything that goes wrong here is left to the open, which meets it itself."""
@@ -141,7 +213,15 @@ def start_open(pack: Pack, method: str | None, lm: models.LoadedModel | None, de
             if placement.is_mapped(lm.model):
                 return
             device = placement.input_device(lm.model)
-        methods.get(pack.method).start_open(pack, manifest_shape(pack), pack.n_tokens(), device or models.default_device())
+        try:
+            params = resolve_method(pack, method, overrides)[1]
+        except Exception:  # noqa: BLE001 - the open meets a bad override itself
+            params = None
+        device = str(device or models.default_device())
+        # the attention shape the pack was made for, in the dtype the model will have (what a rehearsal runs in)
+        dtype = next(lm.model.parameters()).dtype if lm is not None else models.default_dtype(device)
+        shape = dataclasses.replace(manifest_shape(pack), dtype=dtype)
+        methods.get(pack.method).start_open(pack, shape, pack.n_tokens(), device, params)
     except Exception:  # noqa: BLE001 - an optimisation only
         return
 

@@ -450,9 +450,10 @@ class CacheMethod(ABC):
     def open(self, store: "TensorStore", params: Params, shape: ModelShape, device) -> KVMemory:
         """Build the runtime memory from the pack's tensors."""
 
-    def start_open(self, store: "TensorStore", shape: ModelShape, n_tokens: int, device) -> None:
+    def start_open(self, store: "TensorStore", shape: ModelShape, n_tokens: int, device, params: Params | None = None) -> None:
         """Start, on a second thread, work that open() on ``device`` will take up, before the model is loaded (shape:
-        the pack's manifest's; nothing of the store is trusted before :meth:`validate` passed).  Default: none."""
+        the pack's manifest's; nothing of the store is trusted before :meth:`validate` passed; params: the ask's, where
+        known).  Default: none."""
 
     def describe(self, store: "TensorStore", params: Params) -> dict[str, Any]:
         """Method-specific statistics for `sekv inspect`."""

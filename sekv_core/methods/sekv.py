@@ -65,10 +65,11 @@ class SekvMethod(CacheMethod):
     def open(self, store: TensorStore, params: SekvParams, shape: ModelShape, device) -> KVMemory:
         return ZoomMemory(store, params, shape, device)
 
-    def start_open(self, store: TensorStore, shape: ModelShape, n_tokens: int, device) -> None:
+    def start_open(self, store: TensorStore, shape: ModelShape, n_tokens: int, device, params: SekvParams | None = None) -> None:
         """On an accelerator, the batched step's factor blocks, built while the model loads (sekv/gpu_step.py
-        start_blocks), and the zoom tier's check: open() takes them up instead of starting them."""
-        gpu_step.start_blocks(store, shape, n_tokens, device)
+        start_blocks; with the ask's params, a question's way rehearsed on one layer after them), and the zoom tier's
+        check: open() takes them up instead of starting them."""
+        gpu_step.start_blocks(store, shape, n_tokens, device, params)
         zoom_tier.start_check(store, shape.n_layers)  # the zoom tier's sha256s, on a thread of its own (sekv/zoom_tier.py)
 
     def validate(self, store: TensorStore, params: SekvParams, shape: ModelShape, n_tokens: int) -> None:

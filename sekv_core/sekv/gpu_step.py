@@ -35,6 +35,7 @@ from .budget import ZoomLedger
 from .fixed_set import FixedSets
 from .residents import Residents
 from .scout import Ranking
+from .scout_graphs import ChunkGraphs
 
 
 #: the scout pass's chunk of rebuilt keys and logits, bytes per float32 work tensor: few launches, a bounded
@@ -140,6 +141,10 @@ def device_groups(devices: list) -> list[tuple[torch.device, list[int]]]:
 #: benchmarks/cli_probe.py turns it off with $SEKV_PROBE_WARM=0 (to compare)
 WARM_KERNELS = True
 
+#: with the ask's params known before the model loads (start_blocks), the warm-up is the question's own way through
+#: the memory on the pack's first layer (sekv/memory.py rehearse_layer) rather than warm_kernels' made-up imitation
+REHEARSE_LAYER = True
+
 
 def warm_kernels(blocks: list[fb.Blocks], shape, device, n_spans: int, n_q: int = 32) -> None:
     """The kernels of a question's scout pass and first forward, each run once on made-up inputs on ``device``: a
@@ -197,9 +202,16 @@ class BlockBuild:
     memory later.  ``result()`` joins; an
     error of the build (a damaged pack) is raised there, in the first forward, where it was raised before."""
 
-    def __init__(self, res):
+    def __init__(self, res, rehearse=None):
         """res: the opened pack (Residents), or a function run first on the thread that returns what build_blocks
-        reads of one (start_blocks: the checks of the pack, then its factors)."""
+        reads of one (start_blocks: the checks of the pack, then its factors).  rehearse: on CUDA, run after the
+        build with the blocks instead of :func:`warm_kernels` (start_blocks: the question's way on the pack's first
+        layer, sekv/memory.py rehearse_layer); None: warm_kernels."""
+        self.rehearse = rehearse
+        self.rehearsal_s: float | None = None
+        #: a question asked for the blocks before the build ended: then no warm-up after it (it would only run beside
+        #: that question, each slowing the other's launches; the question meets the first uses itself)
+        self.waited = False
         self._blocks: list[fb.Blocks] | None = None
         #: what moves the layers kept in device memory to pinned host memory (None: none kept)
         self.pinning: fb.HostPinning | None = None
@@ -224,14 +236,18 @@ class BlockBuild:
             return
         finally:
             self._built.set()
-        if res.cuda and WARM_KERNELS:
+        if res.cuda and WARM_KERNELS and not self.waited:
             try:
                 with torch.inference_mode(), torch.cuda.device(res.device):
-                    warm_kernels(self._blocks, res.shape, res.device, int(res.span_len.numel()))
+                    if self.rehearse is not None:
+                        self.rehearsal_s = self.rehearse(self._blocks)
+                    else:
+                        warm_kernels(self._blocks, res.shape, res.device, int(res.span_len.numel()))
             except Exception as e:  # noqa: BLE001 - a warm-up only saves time: the question runs (and meets any error) as before
                 self.warm_error = e
 
     def result(self) -> list[fb.Blocks]:
+        self.waited = True
         self._built.wait()
         if self._error is not None:
             raise self._error
@@ -239,6 +255,7 @@ class BlockBuild:
 
     def result_or_none(self) -> list[fb.Blocks] | None:
         """The blocks, or None where the build failed (the caller builds them itself, and meets the error there)."""
+        self.waited = True
         self._built.wait()
         return None if self._error is not None else self._blocks
 
@@ -269,7 +286,7 @@ class _Source:
         self.factors = layout.PackFactors(store, set(store.keys()), shape.n_layers, self.span_len, shape.head_dim, device)
 
 
-def start_blocks(store, shape, n_tokens: int, device) -> None:
+def start_blocks(store, shape, n_tokens: int, device, params=None) -> None:
     """The factor blocks of a pack that is about to be opened on CUDA ``device``, built on a second thread from now
     (in `sekv ask` / `chat`: while the model loads), after the tensors it reads pass the checks open() relies on
     (sekv/layout.py validate, factors_only, with the manifest's shape; a pack that fails them is not built: the open
@@ -284,7 +301,14 @@ def start_blocks(store, shape, n_tokens: int, device) -> None:
         layout.validate(store, shape, n_tokens, factors_only=True)
         return _Source(store, shape, device, n_tokens)
 
-    _EARLY[id(store)] = (store, device, BlockBuild(source))
+    rehearse = None
+    if params is not None and REHEARSE_LAYER:
+        from .memory import rehearse_layer
+
+        def rehearse(blocks):
+            return rehearse_layer(store, params, shape, device, blocks)
+
+    _EARLY[id(store)] = (store, device, BlockBuild(source, rehearse))
 
 
 def take_blocks(store, device) -> "BlockBuild | None":
@@ -596,22 +620,33 @@ class BatchedStep:
         pairs, n_layers = self._scout_chunk(n_pairs, 4 * n_max * max(self.d, q_all.shape[2], 2 * max(b.r_max for b in self.blocks)))
         tables = dict(self._scout_tables(r, n_max))
         if r.pre_rope:  # every row's rotation once for the pass where it is small, else a chunk's at a time
-            pos = tables["pos"]
-            if 4 * pos.numel() * self.d <= SCOUT_CHUNK_BYTES:
-                cos, sin = rope.cos_sin_half(pos.flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype)
-                tables["cos"], tables["sin"] = cos.view(*pos.shape, -1), sin.view(*pos.shape, -1)
+            tables.update(self._scout_rotation(r, tables["pos"]))
         jobs = [(ids[l0 : min(L, l0 + n_layers)], a, min(a + pairs, n_pairs)) for l0 in range(0, L, n_layers) for a in range(0, n_pairs, pairs)]
         stream = ScoutRows(self.blocks, jobs, r.device)
+        # long contexts (a layer in several chunks): a layer's full chunks replayed as one captured graph (scout_graphs)
+        graphs = ChunkGraphs(r.device, pairs, S, n_pairs // pairs, force=SCOUT_GRAPHS_ON_CPU) if n_layers == 1 else None
         out, parts = [], []
         for k, (layers, a, e) in enumerate(jobs):
             l0 = ids.index(layers[0])
-            parts.append(self._scout_lse(r, layers, q_all[l0 : l0 + len(layers)], a, e, scaling, tables, stream.rows(k)))
+            q, staged, part = q_all[l0 : l0 + len(layers)], stream.rows(k), None
+            if graphs is not None and graphs.fits(layers, a, e):
+                rows = staged.get(layers[0])
+                if rows is None:
+                    rows = self.blocks[layers[0]].src.view(-1, self.blocks[layers[0]].stride)[a:e].to(r.device, non_blocking=True)
+                part = graphs.run(layers[0], a, rows, lambda g, i, rows: self._scout_rows_lse(r, layers, q, g, i, scaling, tables, {layers[0]: rows}))
+            if part is None:
+                part = self._scout_lse(r, layers, q, a, e, scaling, tables, staged)
+            parts.append(part)
+            del staged
             stream.done(k)
             if e == n_pairs:  # the layer chunk's last pairs
                 lse = torch.cat(parts, dim=1)  # [Lc, Hkv * S, blocks per span, M]
                 parts = []
                 lse = lse.reshape(len(layers), self.hkv, -1, lse.shape[-1])  # [Lc, Hkv, S * blocks per span, M]
                 out.append(scout.block_masses(lse, other[l0 : l0 + len(layers)])[:, tables["block_row"]])
+        if graphs is not None:
+            graphs.drop()
+        self.scout_replays = graphs.replays if graphs is not None else 0
         return torch.cat(out)
 
     def _scout_chunk(self, n_pairs: int, per_pair: int) -> tuple[int, int]:
@@ -625,28 +660,34 @@ class BatchedStep:
         """Logsumexps of the zoom blocks of the (group, span) pairs a..e-1 (flat g * S + i) for the layers' queries
         q [Lc, Hkv, M, d] -> [Lc, e - a, blocks per span, M]; a span's rows past its blocks give -inf.  r: the pack on
         the layers' device; staged: the layers' block rows a..e-1 already on it (ScoutRows), by layer."""
-        S = r.n_spans
+        rows = dict(staged)
+        for layer in layers:  # every block of the range, in order: a view of the layer's blocks, no gather
+            if layer not in rows:
+                b = self.blocks[layer]
+                rows[layer] = b.src.view(-1, b.stride)[a:e].to(r.device, non_blocking=True)
+        del staged
+        return self._scout_rows_lse(r, layers, q, t["group_of"][a:e], t["span_of"][a:e], scaling, t, rows)
+
+    def _scout_rows_lse(self, r: Residents, layers: list[int], q: torch.Tensor, g: torch.Tensor, i: torch.Tensor, scaling: float, t: dict,
+                        staged: dict) -> torch.Tensor:
+        """:meth:`_scout_lse` of the pairs of groups g and spans i ([P] each), their rows staged[layer] ([P, stride],
+        on r's device) -> [Lc, P, blocks per span, M]: nothing here depends on where the pairs are (a captured chunk
+        reads them from fixed buffers, sekv/scout_graphs.py)."""
         n_max = t["row_block"].shape[1]
         ragged = any(self.blocks[layer].n_max != n_max for layer in layers)
-        keys = (torch.zeros if ragged else torch.empty)(len(layers), e - a, n_max, self.d, device=r.device)  # [Lc, P, n_max, d]
-        for j, layer in enumerate(layers):  # every block of the range, in order: a view of the layer's blocks, no gather
+        keys = (torch.zeros if ragged else torch.empty)(len(layers), g.numel(), n_max, self.d, device=r.device)  # [Lc, P, n_max, d]
+        for j, layer in enumerate(layers):
             b = self.blocks[layer]
-            rows = staged.get(layer)
-            if rows is None:
-                rows = b.src.view(-1, b.stride)[a:e]
-                if rows.device != r.device:
-                    rows = rows.to(r.device, non_blocking=True)
+            rows = staged[layer]
             us, vt = fb.unpack(b, rows, torch.float32)
             if ragged:
                 keys[j, :, : b.n_max] = torch.matmul(us[:, 0], vt[:, 0])
             else:
                 torch.matmul(us[:, 0], vt[:, 0], out=keys[j])  # rows past a span's n_i are masked below
         del us, vt, rows, staged
-        pair = torch.arange(a, e, device=r.device)
-        g, i = pair // S, pair % S
         if r.pre_rope:  # each row at its token's position (re-positioned: where its block sits zoomed alone)
-            if "cos" in t:
-                cos, sin = t["cos"][i], t["sin"][i]  # [P, n_max, d / 2]
+            if "cos_sin" in t:
+                cos, sin = t["cos_sin"][:, i].float()  # [P, n_max, d / 2] each: one gather (a no-op .float() in float32)
             else:
                 pos = t["pos"][i]
                 cos, sin = (x.view(*pos.shape, -1) for x in rope.cos_sin_half(pos.flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype))
@@ -654,15 +695,14 @@ class BatchedStep:
             del cos, sin
         logits = torch.matmul(q[:, g], keys.transpose(-1, -2)).mul_(scaling)  # [Lc, P, M, n_max]: the chunk's one big tensor,
         del keys  # worked in place from here
-        rb = t["row_block"][i].unsqueeze(1)  # [P, 1, n_max]: each row's block within its span, -1 past the span
-        logits.masked_fill_(rb < 0, float("-inf"))
+        logits.masked_fill_(t["past"][i].unsqueeze(1), float("-inf"))  # rows past each span's end
         if r.whole_spans:
             return torch.logsumexp(logits, dim=-1).unsqueeze(2)  # [Lc, P, 1, M]
         # one segmented logsumexp: each row's exp (against its pair's max: every pair has a row) summed into its
-        # block of the span; rows past the span are exp(-inf) = 0
+        # block of the span; rows past the span are exp(-inf) = 0 (summed into block 0)
         mx = logits.amax(-1, keepdim=True)  # [Lc, P, M, 1]
         ex = logits.sub_(mx).exp_()
-        sums = torch.zeros(*ex.shape[:3], t["per_span"], device=r.device).scatter_add_(3, rb.clamp_min(0).expand_as(ex), ex)
+        sums = torch.zeros(*ex.shape[:3], t["per_span"], device=r.device).scatter_add_(3, t["row_block0"][i].unsqueeze(1).expand_as(ex), ex)
         return (sums.log() + mx).transpose(2, 3)  # [Lc, P, per_span, M]; a span's missing blocks: log 0 = -inf
 
     def _scout_tables(self, r: Residents, n_max: int) -> dict:
@@ -682,7 +722,11 @@ class BatchedStep:
             bs = r.block_span_dev
             block_row = bs * per_span + (torch.arange(r.n_blocks, device=r.device) - first[bs])
         row_block = torch.nn.functional.pad(row_block, (0, n_max - row_block.shape[1]), value=-1)
-        t = {"key": key, "row_block": row_block, "per_span": per_span, "block_row": block_row}
+        # per chunk only gathers of these: each row's block (0 past the span: its exp is 0), the rows past the span,
+        # each (group, span) pair's group and span
+        pair = torch.arange(self.hkv * r.n_spans, device=r.device)
+        t = {"key": key, "row_block": row_block, "per_span": per_span, "block_row": block_row, "row_block0": row_block.clamp_min(0),
+             "past": row_block < 0, "group_of": pair // r.n_spans, "span_of": pair % r.n_spans}
         if r.pre_rope:
             if r.layout is None:
                 pos = r.span_start_dev.view(-1, 1) + torch.arange(n_max, device=r.device).view(1, -1)
@@ -694,6 +738,16 @@ class BatchedStep:
             t["pos"] = pos
         self._scout_t = {**(cached or {}), r.device: t}
         return t
+
+    def _scout_rotation(self, r: Residents, pos: torch.Tensor) -> dict:
+        """The rotation of every row of the scout's layout (pos [S, n_max]) for one pass, where the table takes at most
+        SCOUT_CHUNK_BYTES: {"cos_sin": [2, S, n_max, d / 2]} (cos, sin), held in the model's dtype where that is 16-bit
+        (rope.cos_sin_half's values are that dtype's: exact there, half the bytes); else {} (a chunk's at a time)."""
+        dt = r.shape.dtype if r.shape.dtype.itemsize < 4 else torch.float32
+        if pos.numel() * self.d * dt.itemsize > SCOUT_CHUNK_BYTES:
+            return {}
+        cos, sin = rope.cos_sin_half(pos.flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype)
+        return {"cos_sin": torch.stack([cos.to(dt), sin.to(dt)]).view(2, *pos.shape, -1)}
 
     def _span_blocks(self, r: Residents) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
         """(first zoom block of each span [S], its number of blocks [S], the most blocks a span has, the block-within-
@@ -717,6 +771,10 @@ class BatchedStep:
             up = lambda x: x.to(r.device, non_blocking=True)  # noqa: E731
             tables[r.device] = (up(first), up(counts), most, up(row_block))
         return tables[r.device]
+
+
+#: tests: the scout's chunk graphs' fixed-input path (sekv/scout_graphs.py) run eagerly on the CPU
+SCOUT_GRAPHS_ON_CPU = False
 
 
 #: the scout's reads of factor blocks in host memory: True, copied a chunk at a time into a device buffer on a side

@@ -11,6 +11,7 @@ resident KV, coarse entries, zoom buffers and factor blocks' tables are then on 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -35,7 +36,8 @@ class ZoomMemory(KVMemory):
     """Public beyond KVMemory: ``spans()`` (span id -> (start, end) token range), ``step_stats()`` (docs/design.md
     lists the ``extra`` keys), ``res`` (the opened pack), ``ranking`` and ``step``."""
 
-    def __init__(self, store, params: SekvParams, shape: ModelShape, device):
+    def __init__(self, store, params: SekvParams, shape: ModelShape, device, blocks: list | None = None):
+        """blocks: the batched step's factor blocks, built already (rehearse_layer); None: built from now on."""
         self.params, self.shape = params, shape
         self.res = res = Residents(store, params, shape, device)
         self.device = res.device  # the first layer's
@@ -61,7 +63,9 @@ class ZoomMemory(KVMemory):
         self._blocks, self._early = None, False
         #: the blocks the build kept in device memory, moved to pinned host memory in pauses (sekv/blocks.py HostPinning)
         self.pinning = None
-        if self.batched and BACKGROUND_BLOCKS:
+        if self.batched and blocks is not None:
+            self._blocks = _Built(blocks)
+        elif self.batched and BACKGROUND_BLOCKS:
             self._blocks = take_blocks(store, res.device)
             self._early = self._blocks is not None
             if self._blocks is None:
@@ -213,6 +217,8 @@ class ZoomMemory(KVMemory):
                 if self.pinning is not None:
                     self.pinning.touch()
             self._scout_host = {"scout_forward_s": t1 - t0, "scout_score_s": time.perf_counter() - t1}
+            if getattr(self.step, "scout_replays", 0):  # scoring chunks given by a replayed graph (sekv/scout_graphs.py)
+                self._scout_host["scout_graph_chunks"] = self.step.scout_replays
             self.ranking.finish_pass(self.res.scout_profile, self.params.profile_weight, lex, self.params.lexical_weight)
             prior.add_to(self.ranking.prio, self.prior, self.params.prior_weight)
         finally:
@@ -283,3 +289,82 @@ class ZoomMemory(KVMemory):
 
     def static_mode(self):
         return self.res.kv.static_mode()
+
+
+class _Built:
+    """Factor blocks built already, handed to a memory as its BlockBuild would be."""
+
+    pinning = None
+
+    def __init__(self, blocks: list):
+        self._b = blocks
+
+    def result(self) -> list:
+        return self._b
+
+    result_or_none = result
+
+    def join(self) -> None:
+        pass
+
+
+class _FirstLayer:
+    """A pack read as if it held its first layer alone (its config says one layer; every other tensor is the pack's,
+    read through it, the zoom tier's rows through its map, unchecked: nothing read here is kept)."""
+
+    def __init__(self, store):
+        self._store = store
+        if hasattr(store, "mapped"):
+            self.mapped = store.mapped
+
+    def keys(self):
+        return self._store.keys()
+
+    def get(self, name: str) -> torch.Tensor:
+        t = self._store.get(name)
+        if name == "sekv.config":
+            from .layout import CONFIG_FIELDS
+
+            t = t.clone()
+            t[CONFIG_FIELDS.index("n_layers")] = 1
+        return t
+
+
+#: rehearse_layer's question tokens (near a typical question's with the chat template: products pick kernels by size)
+REHEARSAL_TOKENS = 32
+
+
+def rehearse_layer(store, params: SekvParams, shape: ModelShape, device, blocks: list, n_q: int = REHEARSAL_TOKENS,
+                   batched: bool | None = None) -> float:
+    """A question's way through the memory, run once on the pack's first layer alone (its resident entries, router,
+    profile, zoom tier and the factor blocks ``blocks[0]``, built already) with made-up queries, keys and values of
+    the model's shape and dtype: the scout pass (its per-layer-routed forward and its scoring, in chunks and graphs
+    as the pack's length makes them), the fixed sets' plan and fill, the answer's first forward and one
+    single-token step.  On CUDA this loads and sets up the kernels of those parts with the pack's own shapes, so that
+    the first real question does not (sekv/gpu_step.py BlockBuild runs it after the blocks' build, while the model
+    loads).  Its device memory: one layer's resident entries and fixed set, and the scout's chunk transients (at
+    most three SCOUT_CHUNK_BYTES tensors); all freed when it returns.  ``batched``: the step to take
+    (tests: the accelerators' step on the CPU); None: the device's.  -> seconds it took."""
+    t0 = time.perf_counter()
+    one = dataclasses.replace(shape, n_layers=1)
+    mem = ZoomMemory(_FirstLayer(store), params, one, device, blocks=blocks[:1])
+    if batched is not None:
+        mem.batched = batched
+    dev, h, hkv, d = mem.device, shape.n_heads, shape.n_kv_heads, shape.head_dim
+
+    def forward(n: int) -> None:
+        mem.begin_step(n)
+        q = torch.randn(1, h, n, d, device=dev, dtype=shape.dtype)
+        k = torch.randn(1, hkv, n, d, device=dev, dtype=shape.dtype)
+        mem.attend(0, q, k, torch.randn_like(k), d**-0.5)
+        mem.end_step()
+
+    with torch.inference_mode():
+        base = mem.n_tokens()
+        mem.prepare_question(lambda: forward(n_q))
+        forward(n_q)  # the answer's first forward, over the ranked fixed set
+        forward(1)  # a single-token step
+        mem.truncate(base)
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
+    return time.perf_counter() - t0

@@ -1,0 +1,239 @@
+"""Time to first token: the rehearsal (Session.rehearse) changes no answer and leaves every first use of a kernel
+behind it (CUDA); the scout's scoring is the same masses with fewer launches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import SAMPLE_MD
+from sekv_core import api as sekv
+from sekv_core import methods
+from sekv_core import session as session_mod
+from sekv_core.session import Session
+
+QUESTIONS = ["How many steps does the tower have?", "Who kept the log?"]
+
+
+@pytest.fixture(scope="module")
+def packs(lm, tmp_path_factory):
+    d = tmp_path_factory.mktemp("ttft")
+    return {m: sekv.ingest(SAMPLE_MD, d / f"{m}.sekv", model=lm, method=m).pack_path for m in ("sekv", "full")}
+
+
+def _answers(s: Session) -> list[tuple]:
+    out = []
+    for q in QUESTIONS:
+        a = s.ask(q, max_new_tokens=6)
+        out.append((a.token_ids, a.stats.extra.get("span_order")))
+    return out
+
+
+def _open(pack, lm, batched: bool) -> Session:
+    s = Session.open(pack, lm=lm)
+    if batched:
+        s.memory.batched = True  # the accelerators' step (sekv/gpu_step.py), on the CPU
+    return s
+
+
+@pytest.mark.parametrize("method,batched", [("sekv", False), ("sekv", True), ("full", False)])
+def test_rehearsal_changes_no_answer(packs, lm, method, batched):
+    """Questions asked after a rehearsal (run to its end on its thread, here on the CPU) give the tokens and the
+    evidence order of the same questions in a session that had none; its wait is counted in the first answer's TTFT."""
+    plain = _answers(_open(packs[method], lm, batched))
+    s = _open(packs[method], lm, batched)
+    assert s.rehearse(force=True)
+    assert not s.rehearse(force=True)  # one at a time
+    first = s.ask(QUESTIONS[0], max_new_tokens=6)
+    assert s.rehearsal_error is None and s.rehearsal_s is not None
+    waited = first.stats.extra.get("rehearsal_wait_s", 0.0)
+    assert 0.0 <= waited <= first.stats.ttft_s
+    rest = s.ask(QUESTIONS[1], max_new_tokens=6)
+    assert "rehearsal_wait_s" not in rest.stats.extra
+    assert [(first.token_ids, first.stats.extra.get("span_order")), (rest.token_ids, rest.stats.extra.get("span_order"))] == plain
+    assert not s.rehearse(force=True)  # once per session
+
+
+def test_rehearsal_only_on_cuda_and_its_error_is_left_to_the_question(packs, lm, monkeypatch):
+    s = Session.open(packs["sekv"], lm=lm)
+    assert not s.rehearse()  # the CPU: nothing to load
+    assert s.settle() == 0.0
+    monkeypatch.setattr(session_mod, "REHEARSAL_QUESTION", "")  # an empty question: SekvError inside the rehearsal
+    assert s.rehearse(force=True)
+    s.settle()
+    assert s.rehearsal_error is not None and s.rehearsal_s is None
+    assert s.ask(QUESTIONS[0], max_new_tokens=4).token_ids == Session.open(packs["sekv"], lm=lm).ask(QUESTIONS[0], max_new_tokens=4).token_ids
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_first_question_after_the_rehearsal_loads_no_kernel(packs, tiny_qwen):
+    """On CUDA, after the rehearsal, the first real question (another length, another text) makes no lazy CUDA
+    function load: every kernel of its way (scout pass, fills, first forward, decode steps) ran in the rehearsal."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from sekv_core import models
+
+    lm = models.load(str(tiny_qwen), device="cuda")
+    for method in ("sekv", "full"):
+        s = Session.open(packs[method], lm=lm)
+        assert s.rehearse()
+        s.settle()
+        assert s.rehearsal_error is None, s.rehearsal_error
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            s.ask("Which lamp was lit last, and by whom, in the keeper's own words?", max_new_tokens=6)
+        loads = [e for e in prof.events() if e.name == "Lazy Function Loading"]
+        assert not loads, (method, len(loads))
+
+
+def _scout_args(device: str):
+    """A batched sekv memory (tiny model, many spans) on ``device`` and the arguments its scout pass gave
+    scout_masses (each layer's question queries and their logsumexp over the exact keys)."""
+    from test_sekv_scout import QUESTION as SCOUT_Q, _memory
+    from sekv_core import runtime
+
+    model, res, store, p, mem = _memory("qwen2", n=600, capture=False, budget=0.3, min_span=10, window=16, zoom_unit=3)
+    if device != "cpu":
+        model = model.to(device)
+        mem = methods.get("sekv").open(store, p, res.shape, device)
+    mem.batched = True
+    mem._step()
+    got = {}
+    inner = mem.step.scout_masses
+
+    def grab(qs, others, scaling):
+        got["args"] = (qs, others, scaling)
+        return inner(qs, others, scaling)
+
+    mem.step.scout_masses = grab
+    q = torch.tensor([SCOUT_Q], device=device)
+    mem.prepare_question(lambda: runtime.forward_hidden(model, q, mem.n_tokens(), mem))
+    del mem.step.scout_masses
+    return mem, got["args"]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_scout_chunk_graphs_give_the_eager_chunks_masses(device, monkeypatch):
+    """A layer's full scoring chunks through one graph with fixed inputs (sekv/scout_graphs.py; on the CPU the same
+    fixed-input body, eagerly) give the eager loop's masses bit for bit, the pass's shorter chunks eager."""
+    from sekv_core.sekv import gpu_step, scout_graphs
+
+    mem, args = _scout_args(device)
+    st = mem.step
+    monkeypatch.setattr(gpu_step.BatchedStep, "_scout_chunk", lambda self, n_pairs, per_pair: (7, 1))  # many chunks a layer
+    monkeypatch.setattr(scout_graphs, "MIN_CHUNKS", 10**9)
+    eager = st.scout_masses(*args)
+    assert st.scout_replays == 0
+    monkeypatch.setattr(scout_graphs, "MIN_CHUNKS", 2)
+    monkeypatch.setattr(gpu_step, "SCOUT_GRAPHS_ON_CPU", True)
+    graphed = st.scout_masses(*args)
+    n_pairs = st.hkv * mem.res.n_spans
+    assert st.scout_replays == st.L * (n_pairs // 7) - 1 and scout_graphs.CAPTURE  # every full chunk but the pass's first
+    assert torch.equal(graphed, eager)
+    assert torch.equal(st.scout_masses(*args), eager)  # and again (a second question's pass)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scout_rotation_table_in_16_bits_holds_the_rotation_exactly(dtype):
+    """The scout's pass-wide rotation table is held in a 16-bit model's dtype (half the bytes, so it fits its chunk
+    bound at twice the context): rope.cos_sin_half's values for that dtype are that dtype's, so nothing changes."""
+    from sekv_core.sekv import rope
+
+    pos = torch.randint(0, 200_000, (4096,))
+    inv = 1.0 / (1e6 ** (torch.arange(0, 128, 2).float() / 128))
+    cos, sin = rope.cos_sin_half(pos, inv, 1.0, dtype=dtype)
+    assert torch.equal(cos.to(dtype).float(), cos) and torch.equal(sin.to(dtype).float(), sin)
+    assert not torch.equal(rope.cos_sin_half(pos, inv, 1.0)[0].to(dtype).float(), rope.cos_sin_half(pos, inv, 1.0)[0])  # float32's are not
+
+
+@pytest.mark.parametrize("tier", ["factors", "int8"])
+def test_rehearsal_on_the_first_layer_runs_the_question_way_and_keeps_nothing(tier, monkeypatch):
+    """rehearse_layer (what the factor blocks' thread runs on CUDA while the model loads) takes the question's way on
+    the pack's first layer: the scout pass (its scoring in graph chunks where a layer makes several), the fixed sets'
+    fill, the first forward and a single-token step, on the accelerators' step; the pack's own memory, opened after
+    it with the same blocks, answers as one opened without it."""
+    from sekv_core.sekv import gpu_step, memory, scout_graphs, zoom_tier
+    from test_sekv_method import _setup
+
+    monkeypatch.setattr(zoom_tier, "STAGED_ON", {"cpu", "cuda"})
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.3, min_span=10, window=16, zoom_tier=tier)
+    blocks = gpu_step.build_blocks(mem.res)
+    calls = {}
+    for name in ("prepare_question", "_step"):
+        real = getattr(memory.ZoomMemory, name)
+
+        def spy(self, *a, _real=real, _name=name, **k):
+            calls.setdefault(_name, []).append(self.shape.n_layers)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(memory.ZoomMemory, name, spy)
+    from sekv_core.sekv import fixed_set
+
+    fills, replays = [], []
+    real_fill, real_run = fixed_set.FixedSets._fill, scout_graphs.ChunkGraphs.run
+    monkeypatch.setattr(fixed_set.FixedSets, "_fill", lambda self, r, layer, plan: fills.append(layer) or real_fill(self, r, layer, plan))
+    monkeypatch.setattr(scout_graphs.ChunkGraphs, "run", lambda self, *a: replays.append(a[0]) or real_run(self, *a))
+    monkeypatch.setattr(gpu_step.BatchedStep, "_scout_chunk", lambda self, n_pairs, per_pair: (7, 1))  # several chunks
+    monkeypatch.setattr(scout_graphs, "MIN_CHUNKS", 2)
+    monkeypatch.setattr(gpu_step, "SCOUT_GRAPHS_ON_CPU", True)
+    s = memory.rehearse_layer(store, p, res.shape, "cpu", blocks, batched=True)
+    assert s > 0 and calls["prepare_question"] == [1] and set(calls["_step"]) == {1} and fills == [0] and set(replays) == {0}
+    monkeypatch.undo()
+    q = torch.tensor([[5, 17, 42, 99, 7, 250, 31, 8]])
+    from sekv_core import runtime
+
+    def first_logits(blocks_given):
+        m = memory.ZoomMemory(store, p, res.shape, "cpu", blocks=blocks_given)
+        m.batched = True
+        m.prepare_question(lambda: runtime.forward_hidden(model, q, m.n_tokens(), m))
+        return runtime.forward_logits(model, q, m.n_tokens(), m), m.ranking.prio.clone()
+
+    a, pa = first_logits(blocks)  # the blocks the rehearsal used
+    b, pb = first_logits(gpu_step.build_blocks(mem.res))
+    assert torch.equal(a, b) and torch.equal(pa, pb)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tier", ["factors", "int8"])
+def test_cuda_blocks_thread_rehearses_the_first_layer(tier):
+    """On CUDA, a build started before the model loads with the ask's params (start_blocks) rehearses the question's
+    way on the pack's first layer after the build, without error; the memory that takes the build up answers as a
+    memory that built its own blocks."""
+    from sekv_core import runtime
+    from sekv_core.sekv import gpu_step, memory
+    from test_sekv_method import _setup
+
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.3, min_span=10, window=16, zoom_tier=tier)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gpu_step.start_blocks(store, res.shape, res.n_tokens, dev, p)
+    early = gpu_step._EARLY[id(store)][2]
+    early.join()
+    assert early.warm_error is None and early.rehearsal_s is not None, repr(early.warm_error)
+    model = model.to(dev)
+    q = torch.tensor([[5, 17, 42, 99, 7, 250, 31, 8]], device=dev)
+    out = []
+    for m in (memory.ZoomMemory(store, p, res.shape, dev), memory.ZoomMemory(store, p, res.shape, dev, blocks=gpu_step.build_blocks(memory.ZoomMemory(store, p, res.shape, dev).res))):
+        m.prepare_question(lambda: runtime.forward_hidden(model, q, m.n_tokens(), m))
+        out.append((runtime.forward_logits(model, q, m.n_tokens(), m), m.ranking.prio.clone()))
+    assert torch.equal(out[0][1], out[1][1]) and torch.allclose(out[0][0], out[1][0], atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_first_sekv_question_after_the_first_layer_rehearsal_loads_no_kernel(packs, tiny_qwen):
+    """On CUDA, with the model's own kernels loaded by a question of full's (what full's first question pays too), a
+    sekv session opened after it builds its blocks and rehearses the first layer before the model is loaded: its first
+    question, to its first token, then makes no lazy CUDA function load (every sekv kernel of its way ran in the
+    rehearsal)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from sekv_core import models
+
+    lm = models.load(str(tiny_qwen), device="cuda")
+    Session.open(packs["full"], lm=lm).ask(QUESTIONS[1], max_new_tokens=6)
+    s = Session.open(packs["sekv"], model=str(tiny_qwen), device="cuda")  # the build and rehearsal start before the load
+    build = s.memory._blocks
+    build.join()  # as when the model load outlasts them (a question asked before the build's end skips the rehearsal)
+    assert build.warm_error is None and build.rehearsal_s is not None
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        s.ask(QUESTIONS[0], max_new_tokens=1)  # to the first token (the decode steps' graphs come after it)
+    loads = [e for e in prof.events() if e.name == "Lazy Function Loading"]
+    assert not loads, len(loads)
