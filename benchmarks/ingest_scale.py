@@ -1,7 +1,7 @@
 """Ingest time and peak host memory against document length, through the CLI (`sekv ingest`), one process per length.
 
 The document is essays from a haystack folder, repeated until it has the length asked for (in the model's tokens).
-Each length runs `sekv ingest DOC -o PACK -q` under /usr/bin/time (peak RSS of that process); the pack's manifest
+Each length runs `sekv ingest DOC -o PACK -q` in a process of its own (its peak RSS from os.wait4); the pack's manifest
 gives the tokens, the windows and the stage timings (``ingest_s`` = prefill + compress; ``wall_s`` adds the process
 start, the model load and the write).
 
@@ -70,14 +70,16 @@ def main() -> None:
             doc = tmp / f"doc_{n}.txt"
             doc.write_text(haystack_text(tok, a.haystack, n))
             pack = tmp / f"doc_{n}.sekv"
-            cmd = ["/usr/bin/time", "-f", "%M", sys.executable, "-m", "sekv_cli.app", "ingest", str(doc), "-o", str(pack),
-                   "--model", model, "--method", a.method, "-q"]
+            cmd = [sys.executable, "-m", "sekv_cli.app", "ingest", str(doc), "-o", str(pack), "--model", model, "--method", a.method, "-q"]
             t0 = time.perf_counter()
-            p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-            wall = time.perf_counter() - t0
-            if p.returncode:
-                raise SystemExit(p.stderr[-2000:])
-            rss = int(p.stderr.strip().splitlines()[-1]) * 1024
+            with open(tmp / "stderr.txt", "w+") as err:
+                p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                _, status, usage = os.wait4(p.pid, 0)  # the child's own peak RSS (ru_maxrss, KiB on Linux)
+                wall = time.perf_counter() - t0
+                err.seek(0)
+                if os.waitstatus_to_exitcode(status):
+                    raise SystemExit(err.read()[-2000:])
+            rss = usage.ru_maxrss * 1024
             from sekv_core.pack import read_pack
 
             m = read_pack(pack).manifest
