@@ -26,6 +26,7 @@ KEY_SPACES = ("pre_rope", "post_rope")
 WEIGHTINGS = ("surprisal", "mean")
 REPOSITIONS = ("spread", "packed")
 COARSE_MASSES = ("window", "document", "none")
+LOOKALIKES = ("keep", "demote")
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,9 @@ class SekvParams(Params):
     zoom_unit: int = ask_time(16)
     # scout: rank = z(attention - profile) + lexical_weight x z(lexical score of the question's words); 0: attention alone
     lexical_weight: float = ask_time(2.0)
+    # scout: "demote" ranks the question's look-alike passages (most of its words but not all, away from its best
+    # match: sekv/lexical.py) after every other block; "keep" ranks them as the rest
+    lookalikes: str = ask_time("keep")
     # past the window (sekv/positions.py): "spread" keeps the document's gaps between resident units, scaled to fit the
     # window; "packed" puts the resident units at consecutive positions
     reposition: str = ask_time("packed")
@@ -111,6 +115,7 @@ class SekvParams(Params):
         self._one_of("prior", PRIORS)
         self._one_of("prior_pool", POOLS)
         self._one_of("zoom_tier", TIERS)
+        self._one_of("lookalikes", LOOKALIKES)
         if self.router not in ("auto", "untrained"):  # a router file: recorded absolute, found from any directory
             object.__setattr__(self, "router", str(Path(self.router).expanduser().resolve()))
 
