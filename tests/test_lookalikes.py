@@ -97,8 +97,9 @@ def test_scout_ranks_the_rare_term_block_first_and_lookalikes_last():
     store["sekv.lex.terms"] = _terms(500, at)
     q = torch.tensor([[5, 6, 7, 8]])
     prio = {}
-    for mode in ("keep", "demote"):
-        m = methods.get("sekv").open(store, p.replace(lexical_weight=50.0, lookalikes=mode), res.shape, "cpu")
+    for mode, batched in (("keep", False), ("demote", False), ("demote-batched", True)):
+        m = methods.get("sekv").open(store, p.replace(lexical_weight=50.0, lookalikes=mode.split("-")[0]), res.shape, "cpu")
+        m.batched = batched  # the accelerators' step, run on the CPU
         m.prepare_question(lambda: runtime.forward_hidden(model, q, m.n_tokens(), m), Q)
         prio[mode] = m.ranking.prio.clone()
     near = lambda b, blk: abs(int(bs[b]) - int(bs[blk])) <= lexical.WINDOW + int(mem.res.block_len.max())  # noqa: E731
@@ -106,5 +107,14 @@ def test_scout_ranks_the_rare_term_block_first_and_lookalikes_last():
     lk = lexical.Lexicon(store["sekv.lex.terms"], bs, mem.res.block_len).lookalikes(Q, bs)
     assert lk is not None and bool(lk[other])
     assert float(prio["demote"][lk].max()) < float(prio["demote"][~lk].min())
+    assert float(prio["demote-batched"][lk].max()) < float(prio["demote-batched"][~lk].min())
     assert torch.equal(prio["demote"][~lk], prio["keep"][~lk])
     assert float(prio["keep"][other]) > float(prio["keep"].median())  # without it the look-alike ranks high
+    # a question without look-alikes (one word of the best match; no word in the document) ranks as with "keep"
+    for question in ("Where is the Halden archive?", "nothing matches here"):
+        got = []
+        for mode in ("keep", "demote"):
+            m = methods.get("sekv").open(store, p.replace(lexical_weight=50.0, lookalikes=mode), res.shape, "cpu")
+            m.prepare_question(lambda: runtime.forward_hidden(model, q, m.n_tokens(), m), question)
+            got.append(m.ranking.prio.clone())
+        assert torch.equal(got[0], got[1])
