@@ -63,6 +63,24 @@ def test_lookalikes_are_the_other_archives_sentences_not_the_asked_ones_neighbou
     assert not bool(lex3.lookalikes(Q, starts)[25:30].any())
 
 
+def test_a_best_match_in_full_resolution_tokens_makes_every_block_sentence_a_lookalike():
+    # blocks cover tokens 0..447 (28 blocks); tokens 448..511 are full resolution (the end window) and hold the asked
+    # (Halden) sentence; two other archives' sentences in blocks 5 and 20
+    at: dict[int, str] = {}
+    _needle(at, 5 * 16 + 2, "kestrel")
+    _needle(at, 20 * 16 + 2, "morrow")
+    _needle(at, 480, "halden")
+    starts, lens = torch.arange(28) * 16, torch.full((28,), 16)
+    full = torch.cat([torch.tensor([0, 1, 2, 3]), torch.arange(448, 512)])  # the sinks (too short a run) and the end
+    terms = _terms(512, at)
+    look = lexical.Lexicon(terms, starts, lens, full).lookalikes(Q, starts)
+    assert look.nonzero().flatten().tolist() == [3, 4, 5, 6, 7, 18, 19, 20, 21, 22]
+    # without the end window as a passage, the best match is one of the other sentences (secret, passphrase,
+    # archive), which both hold whole: nothing is marked
+    assert lexical.Lexicon(terms, starts, lens).lookalikes(Q, starts) is None
+    assert lexical._runs(full, 16)[0].tolist() == [448, 464, 480, 496]
+
+
 def test_demote_moves_the_masked_blocks_after_every_other_keeping_their_order():
     g = torch.Generator().manual_seed(0)
     for _ in range(20):

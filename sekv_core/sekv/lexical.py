@@ -35,6 +35,9 @@ NEAR = 64
 LOOKALIKE_SHARE = 0.5
 #: look-alikes: the blocks within this many tokens of one are its passage (the rest of its sentence, its value)
 REACH = 32
+#: look-alikes: runs of at least this many consecutive full-resolution tokens (the end window, the sinks) are
+#: passages too, cut into pieces of this length
+RUN = 16
 
 STOP_WORDS = frozenset(
     """a an the and or but if then else of to in on at by for with from as is are was were be been being am do does
@@ -96,16 +99,16 @@ def token_terms(text: str, offsets) -> torch.Tensor:
 class Lexicon:
     """A document's token terms (``sekv.lex.terms``), indexed by zoom block, to score blocks against a question."""
 
-    def __init__(self, terms: torch.Tensor, block_start: torch.Tensor, block_len: torch.Tensor):
+    def __init__(self, terms: torch.Tensor, block_start: torch.Tensor, block_len: torch.Tensor, full_pos: torch.Tensor | None = None):
+        """``full_pos``: the full-resolution tokens' positions; their runs of at least RUN tokens (the end window,
+        the sinks) are passages too, for :meth:`lookalikes` only (a question's best match may be held there)."""
         terms = terms.long()
-        n = terms.numel()
-        lo = (block_start - WINDOW).clamp_min(0)
-        hi = (block_start + block_len + WINDOW).clamp_max(n)
         self.n_blocks = int(block_start.numel())
-        self.block_terms: list[set[int]] = []
-        for s, e in zip(lo.tolist(), hi.tolist()):
-            t = terms[s:e]
-            self.block_terms.append(set(t[t >= 0].tolist()))
+        self.block_terms = _window_terms(terms, block_start, block_len)
+        self.run_start, self.run_terms = torch.zeros(0, dtype=torch.long), []
+        if full_pos is not None and full_pos.numel():
+            rs, rl = _runs(full_pos.long().cpu(), RUN)
+            self.run_start, self.run_terms = rs, _window_terms(terms, rs, rl)
         df: dict[int, int] = {}
         for ts in self.block_terms:
             for t in ts:
@@ -126,10 +129,11 @@ class Lexicon:
         """[B] bool: the blocks of passages that look like the question's best match but lack its most specific word --
         the "secret passphrase for the ... archive" sentences of the other archives when one archive is asked.
 
-        The best match is the block whose window holds the largest idf mass of the question's terms; T its terms and
+        The best match is the block (or run of full-resolution tokens: the end window) whose window holds the largest
+        idf mass of the question's terms; T its terms and
         the key term the rarest of T (highest idf: the archive's name).  A look-alike holds at least two terms of T
         carrying at least ``share`` of T's idf mass, but not the key term, and lies more than ``near`` tokens from
-        every block that holds all of T (the best passage's own neighbours share its words without being another
+        every block or run that holds all of T (the best passage's own neighbours share its words without being another
         passage).  The blocks within ``reach`` tokens of a look-alike (its sentence's other words, its value) are
         marked with it, unless they are that near a block holding all of T.  None when there is none: no question
         term in the document, a best match of one term, no look-alike."""
@@ -137,27 +141,60 @@ class Lexicon:
         if not q or not self.block_terms:
             return None
         hits = [q & ts for ts in self.block_terms]
-        mass = [sum(self.idf[t] for t in h) for h in hits]
+        top_idf = max(self.idf.values(), default=0.0)
+        idf = lambda t: self.idf.get(t, top_idf)  # noqa: E731  (a word only full-resolution tokens hold: the rarest)
+        run_hits = [q & ts for ts in self.run_terms]
+        mass = [sum(idf(t) for t in h) for h in hits + run_hits]
         best = max(range(len(mass)), key=mass.__getitem__)
-        top = hits[best]
+        top = (hits + run_hits)[best]
         if len(top) < 2:
             return None
-        key = max(top, key=lambda t: (self.idf[t], t))
+        key = max(top, key=lambda t: (idf(t), t))
         top_mass = mass[best]
         cand = []
         for h in hits:
             part = h & top
-            cand.append(key not in h and len(part) >= 2 and sum(self.idf[t] for t in part) >= share * top_mass)
+            cand.append(key not in h and len(part) >= 2 and sum(idf(t) for t in part) >= share * top_mass)
         cand = torch.tensor(cand)
         if not bool(cand.any()):
             return None
         starts = block_start.long().cpu()
-        whole = starts[torch.tensor([h >= top for h in hits])]
+        whole = torch.cat([starts[torch.tensor([h >= top for h in hits])],
+                           self.run_start[torch.tensor([h >= top for h in run_hits], dtype=torch.bool)]])
         far = (starts.view(-1, 1) - whole.view(1, -1)).abs().amin(1) > near
         core = starts[cand & far]
         if not core.numel():
             return None
         return far & ((starts.view(-1, 1) - core.view(1, -1)).abs().amin(1) <= reach)
+
+
+def _window_terms(terms: torch.Tensor, start: torch.Tensor, length: torch.Tensor) -> list[set[int]]:
+    """The distinct terms of each passage [start, start + length) and WINDOW tokens on either side."""
+    n = terms.numel()
+    lo = (start - WINDOW).clamp_min(0)
+    hi = (start + length + WINDOW).clamp_max(n)
+    out = []
+    for s, e in zip(lo.tolist(), hi.tolist()):
+        t = terms[s:e]
+        out.append(set(t[t >= 0].tolist()))
+    return out
+
+
+def _runs(pos: torch.Tensor, piece: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs of at least ``piece`` consecutive positions in sorted ``pos``, cut into pieces of at most ``piece``:
+    (starts, lengths)."""
+    if not pos.numel():
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    brk = torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1
+    first = torch.cat([torch.zeros(1, dtype=torch.long), brk])
+    last = torch.cat([brk, torch.tensor([pos.numel()])])
+    starts, lens = [], []
+    for a, b in zip(first.tolist(), last.tolist()):
+        if b - a >= piece:
+            for c in range(a, b, piece):
+                starts.append(int(pos[c]))
+                lens.append(min(piece, b - c))
+    return torch.tensor(starts, dtype=torch.long), torch.tensor(lens, dtype=torch.long)
 
 
 def document_terms(tokenizer, text: str, offsets=None) -> torch.Tensor:
