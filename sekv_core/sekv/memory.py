@@ -223,8 +223,9 @@ class ZoomMemory(KVMemory):
             self.truncate(base)
 
     def _lookalikes(self, question: str | None):
-        """The blocks the scout ranks last for this question (sekv/lexical.py look-alikes), or None."""
-        if self.params.lookalikes != "demote" or not question or self.res.lexicon is None:
+        """The blocks the scout ranks last for this question (sekv/lexical.py look-alikes), or None; part of the lexical
+        evidence (none when lexical_weight is 0: the scout ranks by attention alone)."""
+        if self.params.lookalikes != "demote" or self.params.lexical_weight <= 0 or not question or self.res.lexicon is None:
             return None
         return self.res.lexicon.lookalikes(question, self.res.block_start)
 
