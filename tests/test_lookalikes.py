@@ -3,6 +3,7 @@ scout's ranking through a memory (the block holding the question's rare term fir
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sekv_core import methods, runtime
@@ -136,3 +137,16 @@ def test_scout_ranks_the_rare_term_block_first_and_lookalikes_last():
             m.prepare_question(lambda: runtime.forward_hidden(model, q, m.n_tokens(), m), question)
             got.append(m.ranking.prio.clone())
         assert torch.equal(got[0], got[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_demote_on_cuda_equals_the_host():
+    g = torch.Generator().manual_seed(1)
+    prio = torch.randn(500, generator=g)
+    prio[:5] = float("-inf")
+    mask = torch.rand(500, generator=g) < 0.1
+    want = prio.clone()
+    lexical.demote(want, mask)
+    got = prio.cuda()
+    lexical.demote(got, mask)  # a host mask, as the memory passes it
+    assert torch.equal(got.cpu(), want)
