@@ -160,7 +160,7 @@ def test_params_round_trip_through_the_manifest_and_are_checked():
     m = methods.get("sekv")
     p = m.resolve_params({"budget": 0.2, "routing": "per_layer", "zoom_unit": 4})
     assert m.resolve_params(json.loads(json.dumps(p.to_dict()))) == p and m.resolve_params(p) == p  # ingest resolves again
-    assert set(m.ask_time_params) == {"budget", "router", "routing", "profile_weight", "zoom_unit", "lexical_weight", "reposition", "coarse_mass", "prior_weight", "read_zoom_tier",
+    assert set(m.ask_time_params) == {"budget", "router", "routing", "profile_weight", "zoom_unit", "lexical_weight", "lookalikes", "reposition", "coarse_mass", "prior_weight", "read_zoom_tier",
                                       "prior_pool"}
     with pytest.raises(SekvError, match="routing must be one of"):
         m.resolve_params({"routing": "both"})

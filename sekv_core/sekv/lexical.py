@@ -10,6 +10,12 @@ Terms are words (runs of letters and digits), lower-cased, with a light suffix s
 "descaled" meets "descale"; stop words and one-character words have none.  The document's side is computed
 at ingest from the text the tokenizer saw and stored in the pack as ``sekv.lex.terms`` [N] int32, the term
 of the word each token belongs to (-1: none); the question's side from the question's text at ask time.
+
+Look-alikes (:meth:`Lexicon.lookalikes`): passages that share most of the question's words with its best match but
+lack its most specific one (another archive's passphrase sentence when one archive is asked).  With ``lookalikes="demote"``
+(sekv/params.py) the scout ranks them after every other block (:func:`demote`), so at a small budget they keep their
+coarse entries and anchors but are not zoomed, and the model does not read the look-alike's value at full
+resolution next to the asked one (docs/long-documents.md, "Four needles").
 """
 
 from __future__ import annotations
@@ -22,6 +28,16 @@ import torch
 
 #: tokens on either side of a block that count as its own
 WINDOW = 8
+#: look-alikes (:meth:`Lexicon.lookalikes`): a block within this many tokens of a block matching every term of the
+#: best match is part of that passage, not a look-alike
+NEAR = 64
+#: look-alikes: the least share of the best block's idf mass a partial match must carry to count as one
+LOOKALIKE_SHARE = 0.5
+#: look-alikes: the blocks within this many tokens of one are its passage (the rest of its sentence, its value)
+REACH = 32
+#: look-alikes: runs of at least this many consecutive full-resolution tokens (the end window, the sinks) are
+#: passages too, cut into pieces of this length
+RUN = 16
 
 STOP_WORDS = frozenset(
     """a an the and or but if then else of to in on at by for with from as is are was were be been being am do does
@@ -83,16 +99,16 @@ def token_terms(text: str, offsets) -> torch.Tensor:
 class Lexicon:
     """A document's token terms (``sekv.lex.terms``), indexed by zoom block, to score blocks against a question."""
 
-    def __init__(self, terms: torch.Tensor, block_start: torch.Tensor, block_len: torch.Tensor):
+    def __init__(self, terms: torch.Tensor, block_start: torch.Tensor, block_len: torch.Tensor, full_pos: torch.Tensor | None = None):
+        """``full_pos``: the full-resolution tokens' positions; their runs of at least RUN tokens (the end window,
+        the sinks) are passages too, for :meth:`lookalikes` only (a question's best match may be held there)."""
         terms = terms.long()
-        n = terms.numel()
-        lo = (block_start - WINDOW).clamp_min(0)
-        hi = (block_start + block_len + WINDOW).clamp_max(n)
         self.n_blocks = int(block_start.numel())
-        self.block_terms: list[set[int]] = []
-        for s, e in zip(lo.tolist(), hi.tolist()):
-            t = terms[s:e]
-            self.block_terms.append(set(t[t >= 0].tolist()))
+        self.block_terms = _window_terms(terms, block_start, block_len)
+        self.run_start, self.run_terms = torch.zeros(0, dtype=torch.long), []
+        if full_pos is not None and full_pos.numel():
+            rs, rl = _runs(full_pos.long().cpu(), RUN)
+            self.run_start, self.run_terms = rs, _window_terms(terms, rs, rl)
         df: dict[int, int] = {}
         for ts in self.block_terms:
             for t in ts:
@@ -108,6 +124,78 @@ class Lexicon:
         # summed in Python, made a tensor once (an item write per block is a tensor op each)
         return torch.tensor([sum(self.idf[t] for t in hit) if (hit := q & ts) else 0.0 for ts in self.block_terms], dtype=torch.float32)
 
+    def lookalikes(self, question: str, block_start: torch.Tensor, near: int = NEAR, share: float = LOOKALIKE_SHARE,
+                   reach: int = REACH) -> torch.Tensor | None:
+        """[B] bool: the blocks of passages that look like the question's best match but lack its most specific word --
+        the "secret passphrase for the ... archive" sentences of the other archives when one archive is asked.
+
+        The best match is the block (or run of full-resolution tokens: the end window) whose window holds the largest
+        idf mass of the question's terms; T its terms and
+        the key term the rarest of T (highest idf: the archive's name).  A look-alike holds at least two terms of T
+        carrying at least ``share`` of T's idf mass, but not the key term, and lies more than ``near`` tokens from
+        every block or run that holds all of T (the best passage's own neighbours share its words without being another
+        passage).  The blocks within ``reach`` tokens of a look-alike (its sentence's other words, its value) are
+        marked with it, unless they are that near a block holding all of T.  None when there is none: no question
+        term in the document, a best match of one term, no look-alike."""
+        q = text_terms(question)
+        if not q or not self.block_terms:
+            return None
+        hits = [q & ts for ts in self.block_terms]
+        top_idf = max(self.idf.values(), default=0.0)
+        idf = lambda t: self.idf.get(t, top_idf)  # noqa: E731  (a word only full-resolution tokens hold: the rarest)
+        run_hits = [q & ts for ts in self.run_terms]
+        mass = [sum(idf(t) for t in h) for h in hits + run_hits]
+        best = max(range(len(mass)), key=mass.__getitem__)
+        top = (hits + run_hits)[best]
+        if len(top) < 2:
+            return None
+        key = max(top, key=lambda t: (idf(t), t))
+        top_mass = mass[best]
+        cand = []
+        for h in hits:
+            part = h & top
+            cand.append(key not in h and len(part) >= 2 and sum(idf(t) for t in part) >= share * top_mass)
+        cand = torch.tensor(cand)
+        if not bool(cand.any()):
+            return None
+        starts = block_start.long().cpu()
+        whole = torch.cat([starts[torch.tensor([h >= top for h in hits])],
+                           self.run_start[torch.tensor([h >= top for h in run_hits], dtype=torch.bool)]])
+        far = (starts.view(-1, 1) - whole.view(1, -1)).abs().amin(1) > near
+        core = starts[cand & far]
+        if not core.numel():
+            return None
+        return far & ((starts.view(-1, 1) - core.view(1, -1)).abs().amin(1) <= reach)
+
+
+def _window_terms(terms: torch.Tensor, start: torch.Tensor, length: torch.Tensor) -> list[set[int]]:
+    """The distinct terms of each passage [start, start + length) and WINDOW tokens on either side."""
+    n = terms.numel()
+    lo = (start - WINDOW).clamp_min(0)
+    hi = (start + length + WINDOW).clamp_max(n)
+    out = []
+    for s, e in zip(lo.tolist(), hi.tolist()):
+        t = terms[s:e]
+        out.append(set(t[t >= 0].tolist()))
+    return out
+
+
+def _runs(pos: torch.Tensor, piece: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs of at least ``piece`` consecutive positions in sorted ``pos``, cut into pieces of at most ``piece``:
+    (starts, lengths)."""
+    if not pos.numel():
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    brk = torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1
+    first = torch.cat([torch.zeros(1, dtype=torch.long), brk])
+    last = torch.cat([brk, torch.tensor([pos.numel()])])
+    starts, lens = [], []
+    for a, b in zip(first.tolist(), last.tolist()):
+        if b - a >= piece:
+            for c in range(a, b, piece):
+                starts.append(int(pos[c]))
+                lens.append(min(piece, b - c))
+    return torch.tensor(starts, dtype=torch.long), torch.tensor(lens, dtype=torch.long)
+
 
 def document_terms(tokenizer, text: str, offsets=None) -> torch.Tensor:
     """``sekv.lex.terms`` of a document prefix as ingest tokenizes it: [N] int32.  ``offsets``: the tokens'
@@ -115,3 +203,19 @@ def document_terms(tokenizer, text: str, offsets=None) -> torch.Tensor:
     if offsets is None:
         offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
     return token_terms(text, offsets)
+
+
+def demote(prio: torch.Tensor, mask: torch.Tensor | None) -> None:
+    """The ranking ``prio`` [B] (in place): the blocks of ``mask`` moved after every other finite-priority block,
+    their order among themselves kept (finite: a budget that keeps every block still zooms them; a block at -inf,
+    outside ``--doc``, stays there)."""
+    if mask is None or prio.numel() == 0:
+        return
+    m = mask.to(prio.device, non_blocking=True)
+    finite = torch.isfinite(prio)
+    inf = torch.tensor(float("inf"), device=prio.device, dtype=prio.dtype)
+    lo = torch.where(finite & ~m, prio, inf).min()  # the lowest of the others (no host sync: decided on the device)
+    hi = torch.where(finite & m, prio, -inf).max()
+    shift = hi - lo + 1.0
+    shift = torch.where(torch.isfinite(shift), shift.clamp_min(0.0), torch.zeros_like(shift))
+    prio.copy_(torch.where(m & finite, prio - shift, prio))

@@ -18,7 +18,7 @@ import torch
 
 from ..methods.base import KVMemory, ModelShape, StepStats
 from . import factorize as fz
-from . import prior
+from . import lexical, prior
 from .budget import ZoomLedger
 from .cpu_step import CpuStep
 from .gpu_step import BatchedStep, BlockBuild, take_blocks
@@ -205,6 +205,7 @@ class ZoomMemory(KVMemory):
             # scored on the host and sent before the forward: a host tensor's copy waits for no device work (a
             # blocking copy after the forward would wait for all of it)
             lex = self.res.lexicon.scores(question).to(self.device, non_blocking=True)
+        look = self._lookalikes(question)
         self.ranking.begin_pass()
         self._scouted = []
         try:
@@ -221,10 +222,18 @@ class ZoomMemory(KVMemory):
                 self._scout_host["scout_graph_chunks"] = self.step.scout_replays
             self.ranking.finish_pass(self.res.scout_profile, self.params.profile_weight, lex, self.params.lexical_weight)
             prior.add_to(self.ranking.prio, self.prior, self.params.prior_weight)
+            lexical.demote(self.ranking.prio, look)
         finally:
             self.ranking.end_pass()
             self._scouted = []
             self.truncate(base)
+
+    def _lookalikes(self, question: str | None):
+        """The blocks the scout ranks last for this question (sekv/lexical.py look-alikes), or None; part of the lexical
+        evidence (none when lexical_weight is 0: the scout ranks by attention alone)."""
+        if self.params.lookalikes != "demote" or self.params.lexical_weight <= 0 or not question or self.res.lexicon is None:
+            return None
+        return self.res.lexicon.lookalikes(question, self.res.block_start)
 
     def _scout_layer(self, layer: int, query: torch.Tensor, scaling: float) -> None:
         hkv, d = self.shape.n_kv_heads, self.shape.head_dim

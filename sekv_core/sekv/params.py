@@ -26,6 +26,7 @@ KEY_SPACES = ("pre_rope", "post_rope")
 WEIGHTINGS = ("surprisal", "mean")
 REPOSITIONS = ("spread", "packed")
 COARSE_MASSES = ("window", "document", "none")
+LOOKALIKES = ("keep", "demote")
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,10 @@ class SekvParams(Params):
     zoom_unit: int = ask_time(16)
     # scout: rank = z(attention - profile) + lexical_weight x z(lexical score of the question's words); 0: attention alone
     lexical_weight: float = ask_time(2.0)
+    # scout: "demote" ranks the question's look-alike passages (most of its best match's words but not the rarest,
+    # away from it: sekv/lexical.py) after every other block; "keep" ranks them as the rest (docs/long-documents.md,
+    # "Four needles: look-alike passages")
+    lookalikes: str = ask_time("demote")
     # past the window (sekv/positions.py): "spread" keeps the document's gaps between resident units, scaled to fit the
     # window; "packed" puts the resident units at consecutive positions
     reposition: str = ask_time("packed")
@@ -111,6 +116,7 @@ class SekvParams(Params):
         self._one_of("prior", PRIORS)
         self._one_of("prior_pool", POOLS)
         self._one_of("zoom_tier", TIERS)
+        self._one_of("lookalikes", LOOKALIKES)
         if self.router not in ("auto", "untrained"):  # a router file: recorded absolute, found from any directory
             object.__setattr__(self, "router", str(Path(self.router).expanduser().resolve()))
 
@@ -157,6 +163,7 @@ ABLATIONS: dict[str, Ablation] = {a.name: a for a in (
     Ablation("untrained-router", "the PCA-initialised router even where a trained one exists", {"router": "untrained"}),
     Ablation("per-layer-routing", "each layer ranks spans by its own gates (no scout pass)", {"routing": "per_layer"}),
     Ablation("no-lexical", "the scout ranks by attention alone", {"lexical_weight": 0.0}),
+    Ablation("keep-lookalikes", "the question's look-alike passages ranked as the rest, not last", {"lookalikes": "keep"}),
     Ablation("whole-spans", "the budget keeps whole spans, the paper's unit, not 16-token blocks", {"zoom_unit": 0}),
     Ablation("4bit-factors", "value factors 4-bit and float16 row scales at rest", {"value_bits": 4, "scale_bits": 16}),
     Ablation("8bit-factors", "factors stored as int8 in the pack", {"factor_bits": 8}),

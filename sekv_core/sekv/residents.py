@@ -99,7 +99,7 @@ class Residents:
         self.head_masks = params.head_masks
         self.reposition_kind = params.reposition  # the layout past the window (sekv/positions.py)
         self.coarse_mass = params.coarse_mass
-        self.lexicon = lexical.Lexicon(store.get("sekv.lex.terms"), self.block_start, self.block_len) if "sekv.lex.terms" in self.names and self.n_blocks else None
+        self.lexicon = lexical.Lexicon(store.get("sekv.lex.terms"), self.block_start, self.block_len, self.full_pos) if "sekv.lex.terms" in self.names and self.n_blocks else None
         self.scout_profile = self._profile(store, params.block_unit)
         #: re-positioned attention (sekv/positions.py): set by reposition(), the first time an ask needs it
         self.layout = None

@@ -1,0 +1,152 @@
+"""Look-alike passages (sekv/lexical.py): hand-made term layouts, the demotion as a property of the ranking, and the
+scout's ranking through a memory (the block holding the question's rare term first, look-alikes after all others)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sekv_core import methods, runtime
+from sekv_core.sekv import lexical
+
+from test_sekv_method import _setup
+
+Q = "What is the secret passphrase for the Halden archive? Answer with the passphrase only."
+
+
+def _terms(n: int, at: dict[int, str]) -> torch.Tensor:
+    t = torch.full((n,), -1, dtype=torch.int32)
+    for i, w in at.items():
+        t[i] = lexical.term_id(w)
+    return t
+
+
+def _needle(at: dict[int, str], start: int, place: str) -> None:
+    for k, w in enumerate(("secret", "passphrase", place, "archive")):
+        at[start + 2 * k] = w
+
+
+def test_lookalikes_are_the_other_archives_sentences_not_the_asked_ones_neighbours():
+    # 40 blocks of 16 tokens; the asked archive's sentence in block 5, two other archives' in blocks 20 and 33, the
+    # word "secret" alone in block 12, "passphrase" in block 6 (the asked sentence's neighbour, within NEAR)
+    at: dict[int, str] = {}
+    _needle(at, 5 * 16 + 2, "halden")
+    _needle(at, 20 * 16 + 2, "kestrel")
+    _needle(at, 33 * 16 + 4, "morrow")
+    at[12 * 16 + 5] = "secret"
+    at[6 * 16 + 12] = "passphrase"
+    starts, lens = torch.arange(40) * 16, torch.full((40,), 16)
+    lex = lexical.Lexicon(_terms(640, at), starts, lens)
+    scores = lex.scores(Q)
+    assert int(scores.argmax()) == 5  # the block holding the rare term (halden) first
+    # the look-alikes' cores are blocks 20 and 33 (three of the four words, not "halden"; block 19 holds two, too
+    # little of the idf mass); each one's passage is the blocks within REACH (32) tokens of it
+    look = lex.lookalikes(Q, starts)
+    assert look is not None and look.nonzero().flatten().tolist() == [18, 19, 20, 21, 22, 31, 32, 33, 34, 35]
+    # the asked archive is another one: its sentence is the best match, the Halden one a look-alike
+    look2 = lex.lookalikes(Q.replace("Halden", "Kestrel"), starts)
+    assert look2.nonzero().flatten().tolist() == [3, 4, 5, 6, 7, 31, 32, 33, 34, 35]
+    # a question whose best match has a single term has no look-alikes; nor one with no term in the document
+    assert lex.lookalikes("Where is the archive?", starts) is None
+    assert lex.lookalikes("nothing matches here", starts) is None
+    # a partial match carrying less than LOOKALIKE_SHARE of the best one's idf mass is not one
+    at2 = dict(at)
+    for i in range(33 * 16, 34 * 16):
+        at2.pop(i, None)
+    at2[33 * 16 + 3], at2[33 * 16 + 9] = "secret", "answer"
+    lex2 = lexical.Lexicon(_terms(640, at2), starts, lens)
+    assert lex2.lookalikes(Q, starts).nonzero().flatten().tolist() == [18, 19, 20, 21, 22]
+    # a partial match that holds the key term (the rarest word of the best match) is not one: "halden" alone with
+    # two common words far from the Halden sentence
+    at3 = dict(at2)
+    at3[27 * 16 + 1], at3[27 * 16 + 3], at3[27 * 16 + 5] = "secret", "halden", "archive"
+    lex3 = lexical.Lexicon(_terms(640, at3), starts, lens)
+    assert not bool(lex3.lookalikes(Q, starts)[25:30].any())
+
+
+def test_a_best_match_in_full_resolution_tokens_makes_every_block_sentence_a_lookalike():
+    # blocks cover tokens 0..447 (28 blocks); tokens 448..511 are full resolution (the end window) and hold the asked
+    # (Halden) sentence; two other archives' sentences in blocks 5 and 20
+    at: dict[int, str] = {}
+    _needle(at, 5 * 16 + 2, "kestrel")
+    _needle(at, 20 * 16 + 2, "morrow")
+    _needle(at, 480, "halden")
+    starts, lens = torch.arange(28) * 16, torch.full((28,), 16)
+    full = torch.cat([torch.tensor([0, 1, 2, 3]), torch.arange(448, 512)])  # the sinks (too short a run) and the end
+    terms = _terms(512, at)
+    look = lexical.Lexicon(terms, starts, lens, full).lookalikes(Q, starts)
+    assert look.nonzero().flatten().tolist() == [3, 4, 5, 6, 7, 18, 19, 20, 21, 22]
+    # without the end window as a passage, the best match is one of the other sentences (secret, passphrase,
+    # archive), which both hold whole: nothing is marked
+    assert lexical.Lexicon(terms, starts, lens).lookalikes(Q, starts) is None
+    assert lexical._runs(full, 16)[0].tolist() == [448, 464, 480, 496]
+
+
+def test_demote_moves_the_masked_blocks_after_every_other_keeping_their_order():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        prio = torch.randn(30, generator=g) * 3
+        prio[torch.randint(0, 30, (3,), generator=g)] = float("-inf")  # outside --doc
+        mask = torch.rand(30, generator=g) < 0.3
+        out = prio.clone()
+        lexical.demote(out, mask)
+        fin = torch.isfinite(prio)
+        assert torch.equal(torch.isfinite(out), fin)  # -inf stays -inf, nothing else becomes it
+        a, b = fin & ~mask, fin & mask
+        if a.any() and b.any():
+            assert float(out[b].max()) < float(out[a].min())
+        assert torch.equal(out[a], prio[a])  # the others untouched
+        for m in (a, b):  # the order within each group kept
+            assert torch.equal(torch.argsort(out[m], stable=True), torch.argsort(prio[m], stable=True))
+    p = torch.tensor([1.0, 2.0])
+    lexical.demote(p, None)
+    assert p.tolist() == [1.0, 2.0]
+
+
+def test_scout_ranks_the_rare_term_block_first_and_lookalikes_last():
+    """Through a memory: a large lexical weight puts the block holding every question word first; with
+    lookalikes="demote" the other archive's sentence ranks after every block, and "keep" leaves the ranking as it was."""
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=500, budget=0.3, min_span=10, window=16, zoom_unit=8)
+    bs = mem.res.block_start
+    nb = mem.res.n_blocks
+    asked, other = nb // 4, (3 * nb) // 4
+    at: dict[int, str] = {}
+    _needle(at, int(bs[asked]), "halden")
+    _needle(at, int(bs[other]), "kestrel")
+    store["sekv.lex.terms"] = _terms(500, at)
+    q = torch.tensor([[5, 6, 7, 8]])
+    prio = {}
+    for mode, batched in (("keep", False), ("demote", False), ("demote-batched", True)):
+        m = methods.get("sekv").open(store, p.replace(lexical_weight=50.0, lookalikes=mode.split("-")[0]), res.shape, "cpu")
+        m.batched = batched  # the accelerators' step, run on the CPU
+        m.prepare_question(lambda: runtime.forward_hidden(model, q, m.n_tokens(), m), Q)
+        prio[mode] = m.ranking.prio.clone()
+    near = lambda b, blk: abs(int(bs[b]) - int(bs[blk])) <= lexical.WINDOW + int(mem.res.block_len.max())  # noqa: E731
+    assert near(int(prio["demote"].argmax()), asked) and near(int(prio["keep"].argmax()), asked)
+    lk = lexical.Lexicon(store["sekv.lex.terms"], bs, mem.res.block_len).lookalikes(Q, bs)
+    assert lk is not None and bool(lk[other])
+    assert float(prio["demote"][lk].max()) < float(prio["demote"][~lk].min())
+    assert float(prio["demote-batched"][lk].max()) < float(prio["demote-batched"][~lk].min())
+    assert torch.equal(prio["demote"][~lk], prio["keep"][~lk])
+    assert float(prio["keep"][other]) > float(prio["keep"].median())  # without it the look-alike ranks high
+    # a question without look-alikes (one word of the best match; no word in the document) ranks as with "keep"
+    for question in ("Where is the Halden archive?", "nothing matches here"):
+        got = []
+        for mode in ("keep", "demote"):
+            m = methods.get("sekv").open(store, p.replace(lexical_weight=50.0, lookalikes=mode), res.shape, "cpu")
+            m.prepare_question(lambda: runtime.forward_hidden(model, q, m.n_tokens(), m), question)
+            got.append(m.ranking.prio.clone())
+        assert torch.equal(got[0], got[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_demote_on_cuda_equals_the_host():
+    g = torch.Generator().manual_seed(1)
+    prio = torch.randn(500, generator=g)
+    prio[:5] = float("-inf")
+    mask = torch.rand(500, generator=g) < 0.1
+    want = prio.clone()
+    lexical.demote(want, mask)
+    got = prio.cuda()
+    lexical.demote(got, mask)  # a host mask, as the memory passes it
+    assert torch.equal(got.cpu(), want)
