@@ -220,42 +220,38 @@ def _us_order(rank: torch.Tensor, span_len: torch.Tensor, total: int | None = No
     return column_order(span_len.long().view(1, -1).expand_as(rank), rank, total)
 
 
-def _from_columns(x: torch.Tensor, rank: torch.Tensor, span_len: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`_to_columns`, ``x[_us_order(rank, span_len)]``, a run of whole blocks at a time (rank and
-    span_len on the host): the index temporaries stay ~_ENCODE_CHUNK elements."""
+def _column_runs(x: torch.Tensor, rank: torch.Tensor, span_len: torch.Tensor):
+    """The runs of whole blocks :func:`_from_columns` and :func:`_to_columns` reorder one at a time (a block keeps
+    its offset, so runs reorder independently): (o0, o1, order) with ``order`` the run's :func:`_us_order`, its
+    index temporaries ~_ENCODE_CHUNK elements.  The runs are cut where ``rank`` and ``span_len`` are (the host's:
+    nothing is read back from ``x``'s device)."""
     rows = span_len.long().view(1, -1).expand_as(rank).flatten()
     cols = rank.long().flatten()
-    size = rows * cols
-    out = torch.empty_like(x)
-    end = torch.cumsum(size, 0)
+    end = torch.cumsum(rows * cols, 0)
     dev = x.device
     b0, o0, chunk = 0, 0, _encode_chunk(x)
-    while b0 < size.numel():
+    while b0 < rows.numel():
         b1 = max(b0 + 1, int(torch.searchsorted(end, o0 + chunk, right=True)))
         o1 = int(end[b1 - 1])
-        order = column_order(rows[b0:b1].to(dev, non_blocking=True), cols[b0:b1].to(dev, non_blocking=True), o1 - o0)
-        out[o0:o1] = x[o0:o1][order]
+        yield o0, o1, column_order(rows[b0:b1].to(dev, non_blocking=True), cols[b0:b1].to(dev, non_blocking=True), o1 - o0)
         b0, o0 = b1, o1
+
+
+def _from_columns(x: torch.Tensor, rank: torch.Tensor, span_len: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_to_columns`, ``x[_us_order(rank, span_len)]``, a run of whole blocks at a time (rank and
+    span_len on the host)."""
+    out = torch.empty_like(x)
+    for o0, o1, order in _column_runs(x, rank, span_len):
+        out[o0:o1] = x[o0:o1][order]
     return out
 
 
 def _to_columns(us: torch.Tensor, rank: torch.Tensor, span_len: torch.Tensor) -> torch.Tensor:
-    """``x[_us_order(rank, span_len)] = us``, a run of whole blocks at a time (a block keeps its offset, so runs
-    reorder independently): the index temporaries stay ~_ENCODE_CHUNK elements.  The runs are cut where ``rank``
-    and ``span_len`` are (the host's, from encode_factors: nothing is read back from ``us``'s device)."""
-    rows = span_len.long().view(1, -1).expand_as(rank).flatten()
-    cols = rank.long().flatten()
-    size = rows * cols
+    """``x[_us_order(rank, span_len)] = us``, a run of whole blocks at a time (rank and span_len the host's, from
+    encode_factors)."""
     x = torch.empty_like(us)
-    end = torch.cumsum(size, 0)
-    dev = us.device
-    b0, o0, chunk = 0, 0, _encode_chunk(us)
-    while b0 < size.numel():
-        b1 = max(b0 + 1, int(torch.searchsorted(end, o0 + chunk, right=True)))
-        o1 = int(end[b1 - 1])
-        order = column_order(rows[b0:b1].to(dev, non_blocking=True), cols[b0:b1].to(dev, non_blocking=True), o1 - o0)
+    for o0, o1, order in _column_runs(us, rank, span_len):
         x[o0:o1][order] = us[o0:o1]
-        b0, o0 = b1, o1
     return x
 
 

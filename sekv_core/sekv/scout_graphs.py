@@ -25,8 +25,10 @@ from typing import Callable
 
 import torch
 
-#: capture the scout's scoring chunks on CUDA (set False by a failed capture)
-CAPTURE = True
+#: capture the scout's scoring chunks on CUDA (set False by a failed capture).  Off by default: their CUDA test
+#: (tests/test_ttft.py, graphed masses against the eager chunks') failed on the H200, so until it passes there the
+#: scoring runs eagerly
+CAPTURE = False
 
 #: a layer's full chunks below which no graph is captured (a capture costs about one eager chunk's launches)
 MIN_CHUNKS = 4
