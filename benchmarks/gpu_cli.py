@@ -116,7 +116,8 @@ def random_model(shape: str, out: Path, tokenizer: str, device: str, seed: int) 
 
 def run_cli(args: list[str], *, probe: bool, env_extra: dict | None = None, stdin: str | None = None, pause: float = 0.0) -> dict:
     """One `sekv` process: -> {rc, wall_s, max_rss_bytes, stdout, stderr_tail, probe}.  pause: stdin written a line
-    at a time, each line ``pause`` seconds after the one before (the first: after the process started), as typed."""
+    at a time, as typed: each line ``pause`` seconds after the chat is ready for it (the first after the chat shows
+    that it is open, each next one after the previous answer's statistics), not counting the start-up."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
@@ -131,7 +132,7 @@ def run_cli(args: list[str], *, probe: bool, env_extra: dict | None = None, stdi
             t = time.perf_counter()
             p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fo, stderr=fe, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL, text=True)
             if stdin is not None and pause > 0:
-                threading.Thread(target=_type_lines, args=(p.stdin, stdin, pause), daemon=True).start()
+                threading.Thread(target=_type_lines, args=(p.stdin, stdin, pause, se), daemon=True).start()
             elif stdin is not None:
                 p.stdin.write(stdin)
                 p.stdin.close()
@@ -168,9 +169,28 @@ def run_plain(doc: dict, docs_dir: Path, a: argparse.Namespace) -> dict:
     return rec
 
 
-def _type_lines(pipe, text: str, pause: float) -> None:
+#: what `sekv chat` writes to stderr when it is open (its first line) and after each answer (its statistics' last row)
+CHAT_READY, CHAT_ANSWERED = "/help for commands", "process RSS"
+#: the longest a typed line waits for the chat to be ready for it (then it is written anyway)
+READY_TIMEOUT_S = 900.0
+
+
+def _type_lines(pipe, text: str, pause: float, stderr: Path) -> None:
+    """Write ``text`` a line at a time, each ``pause`` seconds after the chat is ready for it (:data:`CHAT_READY`
+    on its stderr for the first line, one more :data:`CHAT_ANSWERED` for each next one), as a user types a question
+    after reading the prompt or the answer before it."""
+
+    def ready(k: int) -> None:
+        end = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < end:
+            err = stderr.read_text(errors="replace") if stderr.is_file() else ""
+            if CHAT_READY in err and err.count(CHAT_ANSWERED) >= k:
+                return
+            time.sleep(0.05)
+
     try:
-        for line in text.splitlines(keepends=True):
+        for k, line in enumerate(text.splitlines(keepends=True)):
+            ready(k)
             time.sleep(pause)
             pipe.write(line)
             pipe.flush()
@@ -457,8 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--device", default=None)
     r.add_argument("--max-new-tokens", type=int, default=24)
     r.add_argument("--chat", type=int, default=0, help="questions in one `sekv chat` session per pack (0: no chat)")
-    r.add_argument("--chat-pause", type=float, default=0.0, help="seconds before each chat line, as if typed (0: all at once); "
-                   "longer than the chat's open, its first question finds the rehearsal (Session.rehearse) done")
+    r.add_argument("--chat-pause", type=float, default=0.0, help="seconds before each chat line after the chat is ready for it, as typed (0: all at once, "
+                   "read as soon as the chat opens); a first question typed while the chat's rehearsal (Session.rehearse) runs waits for it")
     r.add_argument("--plain", action="store_true", help="run `python -m sekv_cli.app` without the probe (no stage timers)")
     r.add_argument("--profile", default=None, help="folder: one more two-question chat per pack, each question under torch.profiler, "
                    "compact tables (top operators and kernels, launches, host waits) appended to DIR/profile.txt")

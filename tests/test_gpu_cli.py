@@ -76,3 +76,37 @@ def test_compact_table_ranks_operators_and_names_the_ranges():
     assert len(ops) == 3 and "aten::" in ops[0] and int(ops[0].split()[0]) >= 1
     assert any(ln.split()[0] == "4" and ln.endswith("aten::mm") for ln in ops), ops  # mm: 4 calls, among the costliest
     assert any(ln.endswith("sekv.scout") and ln.split()[0] == "1" for ln in lines[6:])
+
+
+def test_typed_lines_wait_for_the_chat_to_be_ready(tmp_path):
+    """--chat-pause: each line is written ``pause`` seconds after the chat is ready for it (its open line, then one
+    answer's statistics per line before it), never before; the pause does not count the start-up."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from benchmarks import gpu_cli
+
+    err = tmp_path / "err"
+    child = (
+        "import sys, time\n"
+        "time.sleep(0.6)\n"
+        f"sys.stderr.write('x.txt (5 tokens). {gpu_cli.CHAT_READY}\\n'); sys.stderr.flush()\n"
+        "t0 = time.monotonic()\n"
+        "for line in sys.stdin:\n"
+        "    print(round(time.monotonic() - t0, 3), line.strip(), flush=True)\n"
+        "    time.sleep(0.4)\n"
+        f"    sys.stderr.write('{gpu_cli.CHAT_ANSWERED} 1 GiB\\n'); sys.stderr.flush()\n"
+        "    t0 = time.monotonic()\n"
+    )
+    with open(err, "w") as fe:
+        p = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=fe, text=True)
+        th = threading.Thread(target=gpu_cli._type_lines, args=(p.stdin, "a\nb\nc\n", 0.3, err))
+        th.start()
+        out = p.stdout.read()
+        p.wait(timeout=30)
+        th.join(timeout=30)
+    rows = [ln.split() for ln in out.splitlines()]
+    assert [r[1] for r in rows] == ["a", "b", "c"]
+    assert all(0.3 <= float(r[0]) < 0.3 + 2.0 for r in rows)  # from the ready line / the answer before, not the start
