@@ -183,7 +183,7 @@ def _type_lines(pipe, text: str, pause: float, stderr: Path) -> None:
     def ready(k: int) -> None:
         end = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < end:
-            err = stderr.read_text(errors="replace") if stderr.is_file() else ""
+            err = " ".join((stderr.read_text(errors="replace") if stderr.is_file() else "").split())  # Rich wraps lines
             if CHAT_READY in err and err.count(CHAT_ANSWERED) >= k:
                 return
             time.sleep(0.05)

@@ -92,7 +92,7 @@ def test_typed_lines_wait_for_the_chat_to_be_ready(tmp_path):
     child = (
         "import sys, time\n"
         "time.sleep(0.6)\n"
-        f"sys.stderr.write('x.txt (5 tokens). {gpu_cli.CHAT_READY}\\n'); sys.stderr.flush()\n"
+        f"sys.stderr.write('x.txt (5 tokens). /help for\\ncommands, Ctrl-D to quit.\\n'); sys.stderr.flush()\n"
         "t0 = time.monotonic()\n"
         "for line in sys.stdin:\n"
         "    print(round(time.monotonic() - t0, 3), line.strip(), flush=True)\n"
