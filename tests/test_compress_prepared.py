@@ -119,3 +119,21 @@ def test_cuda_pack_with_prepared_is_the_same():
     prep = sc.Prepared(res.n_tokens, res.shape, p, torch.device("cuda"))
     assert prep.warm and prep.result().error is None and prep.tables[0].is_pinned()
     _same(sc.compress(res, p, prepared=prep), ref)
+
+
+def test_compress_layer_benchmark_reports_each_group_and_stage(tmp_path):
+    """benchmarks/compress_layer.py: one time per layer group (the groups counted against the plan) and the stages'
+    seconds, nested ones within the ones around them."""
+    import json
+
+    from benchmarks import compress_layer
+
+    out = tmp_path / "layer.json"
+    assert compress_layer.main(["--tokens", "700", "--layers", "2", "--kv-heads", "2", "--head-dim", "64", "--repeat", "1", "--prepared",
+                                "--stages", "--cuda-path", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    run = rec["runs"][0]
+    assert rec["spans"] > 0 and run["first_group_s"] > 0 and run["later_groups_s"] == []  # --cuda-path: both layers one group
+    st = rec["stages_s"]
+    assert 0 < st["    top_eigh"] <= st["  decompose_spans"] <= st["factors (inputs, decompose, pack)"] <= rec["stages_run"]["wall_s"]
+    assert rec["stage_calls"]["codes (codec.encode_factors)"] == 1

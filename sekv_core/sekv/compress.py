@@ -270,14 +270,14 @@ def warm_compress(shape: ModelShape, params: SekvParams, device: torch.device, s
     eigensolver, the packing) and coding (codec.encode_factors) once on made-up keys and values of ``spans`` spans
     of rank_max + 8 rows on ``device`` (on CUDA on a stream of its own, synchronised at the end); nothing is kept."""
     dev = torch.device(device)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=dev).manual_seed(0)  # drawn where they are used: no copy from pageable memory
     rows = max(params.rank_max, 32) + 8
     hkv, d = shape.n_kv_heads, shape.head_dim
     span_len = torch.full((spans,), rows, dtype=torch.long)
     opts = dict(rank_max=params.rank_max, int8=params.factors_8bit, dtype=getattr(torch, params.factor_dtype), method=params.svd)
     side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        x = [torch.randn(hkv, spans * rows, d, generator=g).to(dev) for _ in range(2)]
+        x = [torch.randn(hkv, spans * rows, d, generator=g, device=dev) for _ in range(2)]
         fs = fz.factorize_many(x, span_len, energies=[params.energy_k, params.energy_v], keeps=[None, None], **opts)
         if params.coded:
             for f, cfg in zip(fs, codec_configs(params)):
