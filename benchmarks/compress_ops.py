@@ -32,9 +32,11 @@ from benchmarks.ttft_ops import VIEWS, _caller
 SYNCS = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::unique", "aten::_unique2", "aten::masked_select", "aten::repeat_interleave"}
 
 
-def random_prefill(tokens: int, layers: int, kv_heads: int, head_dim: int, hidden: int | None = None):
-    """sekv's prefill of `tokens` random tokens by a random-weight Qwen2 of that KV geometry (float32, a 1,024-token
-    vocabulary; hidden kv_heads x head_dim unless given), installed: (method, its default params, the token ids, the prefill, seconds)."""
+def random_prefill(tokens: int, layers: int, kv_heads: int, head_dim: int, hidden: int | None = None, device: str = "cpu",
+                   dtype: torch.dtype = torch.float32):
+    """sekv's prefill of `tokens` random tokens by a random-weight Qwen2 of that KV geometry (float32 on the CPU unless
+    told, a 1,024-token vocabulary; hidden kv_heads x head_dim unless given), installed: (method, its default params,
+    the token ids, the prefill, seconds)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from sekv_core import methods, runtime
@@ -45,7 +47,7 @@ def random_prefill(tokens: int, layers: int, kv_heads: int, head_dim: int, hidde
     hid = hidden or kv_heads * head_dim
     cfg = Qwen2Config(hidden_size=hid, num_hidden_layers=layers, num_attention_heads=kv_heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                       intermediate_size=2 * hid, vocab_size=1024, max_position_embeddings=max(32768, tokens + 64))
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval().to(device)
     runtime.install(model)
     m = methods.get("sekv")
     p = m.resolve_params({})

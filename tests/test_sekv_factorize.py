@@ -190,7 +190,7 @@ def test_decompose_subspace_path_equals_eigh_path_on_low_rank(exact_orth):
     a = fz.decompose_spans(x, lens, 32)
     orig = fz._decompose
     try:
-        fz._decompose = lambda t, method, want=None, rows_at_least_want=False: (lambda ad: (lambda ev: ((ad @ ev[1]).float(), ev[0].sqrt().float(), ev[1].transpose(1, 2).float()))(la.top_eigh(ad.transpose(1, 2) @ ad, want, exact_orth=exact_orth)))(t.double())
+        fz._decompose = lambda t, method, want=None, rows_at_least_want=False, own=False: (lambda ad: (lambda ev: ((ad @ ev[1]).float(), ev[0].sqrt().float(), ev[1].transpose(1, 2).float()))(la.top_eigh(ad.transpose(1, 2) @ ad, want, exact_orth=exact_orth)))(t.double())
         b = fz.decompose_spans(x, lens, 32)
     finally:
         fz._decompose = orig

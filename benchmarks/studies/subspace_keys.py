@@ -139,7 +139,7 @@ class _switch:
             setattr(la, k, v)
         if self.f32 is not None:
             real = self.old["top_eigh"]
-            la.top_eigh = lambda g, k, iters=4, exact_orth=True: tuple(t.double() for t in real(g.float(), k, self.f32, exact_orth))
+            la.top_eigh = lambda g, k, iters=4, exact_orth=True, finite=False: tuple(t.double() for t in real(g.float(), k, self.f32, exact_orth))
 
     def __exit__(self, *exc):
         for k, v in self.old.items():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
 from ..sekv import compress, describe, gpu_step, layout, rope, scout, zoom_tier
 from ..sekv.host_copies import HostArena
 from ..sekv.memory import ZoomMemory
@@ -36,6 +38,9 @@ class SekvMethod(CacheMethod):
     def reserve_host(self, n_tokens: int, shape: ModelShape, params: SekvParams, pinned: bool = False) -> None:
         """Host memory for the pack of an n_tokens document, prepared while the prefill runs (sekv/host_copies.py)."""
         self._arena = HostArena(compress.host_bound(n_tokens, shape, params), pinned)
+        # and what compress needs that no prefill result decides: RoPE's tables, its kernels' first use (on a GPU)
+        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        self._prepared = compress.Prepared(n_tokens, shape, params, dev)
 
     def prefill_stream(self, params: SekvParams, shape: ModelShape, n_tokens: int):
         """The zoom tier (sekv/zoom_tier.py TierStream): its rows made a prefill chunk at a time and written while the
@@ -54,13 +59,15 @@ class SekvMethod(CacheMethod):
 
     def compress(self, prefill: PrefillResult, params: SekvParams):
         arena, self._arena = getattr(self, "_arena", None), None
+        prepared, self._prepared = getattr(self, "_prepared", None), None
         # compress_windows runs its many small tensor ops on one thread (intra-op threads cost more than they give
         # on a small CPU); the KVzip prior's model forwards keep the prefill's threads
-        return compress.compress(prefill, params, arena.take() if arena is not None else None, self._emit())
+        return compress.compress(prefill, params, arena.take() if arena is not None else None, self._emit(), prepared)
 
     def compress_windows(self, windows, params: SekvParams):
         arena, self._arena = getattr(self, "_arena", None), None
-        return compress.compress_windows(windows, params, arena.take() if arena is not None else None, self._emit())
+        prepared, self._prepared = getattr(self, "_prepared", None), None
+        return compress.compress_windows(windows, params, arena.take() if arena is not None else None, self._emit(), prepared)
 
     def open(self, store: TensorStore, params: SekvParams, shape: ModelShape, device) -> KVMemory:
         return ZoomMemory(store, params, shape, device)

@@ -10,6 +10,8 @@ prefill's device; only the results move to the host (sekv/host_copies.py).  A do
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -211,18 +213,94 @@ def codec_configs(params: SekvParams) -> tuple[dict, dict]:
     return kcfg, vcfg
 
 
-def compress(prefill: PrefillResult, params: SekvParams, arena: torch.Tensor | None = None, emit=None) -> dict[str, torch.Tensor]:
+class Prepared:
+    """What compress needs that no prefill result decides, made on a thread of its own while the prefill runs
+    (SekvMethod.reserve_host, on a GPU): nothing in a layer's factors can start before the prefill ends (the spans
+    come from the whole document's surprisal, the last layer's logits), but two costs of the first layer group can.
+
+    - **RoPE's cos / sin of every document position** (rope.cos_sin of 0..n-1 at the model's dtype; page-locked on
+      CUDA).  A window's span tokens' rows are then indexed out of them on the device (:func:`_rot_tables`): the same
+      values as rope.cos_sin of those positions (elementwise arithmetic, tests/test_compress_prepared.py), where
+      compress used to make them on the host after the segmentation (0.38 s for 129K rows on one thread here).
+    - **The factorisation's and codec's kernels, once** (:func:`warm_compress`, CUDA: on a stream of its own, tiny
+      inputs): the libraries' load (cuSOLVER), their handles and the kernels' lazy loading are paid beside the
+      prefill, not in the first layer group (0.87 s against 0.155 s for each later one in the 8B 128K run).
+
+    :meth:`result` waits for the thread (its library handles go back to torch's pool for compress's thread)."""
+
+    def __init__(self, n_tokens: int, shape: ModelShape, params: SekvParams, device: torch.device | None = None, warm: bool | None = None):
+        self.n, self.shape, self.params = int(n_tokens), shape, params
+        self.device = torch.device(device) if device is not None else None
+        self.warm = (self.device is not None and self.device.type == "cuda") if warm is None else warm
+        self.tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.error: BaseException | None = None  # what the thread raised (compress then makes its own tables)
+        self.thread = threading.Thread(target=self._run, name="sekv-compress-prepare", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            inv = rope.inv_freq_of(self.shape)
+            if inv is not None and self.params.key_space == "pre_rope":
+                c, s = rope.cos_sin(torch.arange(self.n), inv, self.shape.rope_attention_scaling, dtype=self.shape.dtype)
+                if self.device is not None and self.device.type == "cuda":
+                    c, s = c.pin_memory(), s.pin_memory()
+                self.tables = (c, s)
+            if self.warm and self.device is not None:
+                warm_compress(self.shape, self.params, self.device)
+        except Exception as e:  # noqa: BLE001 - an optional head start: compress does without it
+            self.error = e
+
+    def result(self) -> "Prepared":
+        self.thread.join()
+        return self
+
+    def rot_tables(self, inv: torch.Tensor | None, scaling: float, dtype: torch.dtype, n_needed: int):
+        """The cos / sin tables of positions 0..n-1 (host) when they are the ones compress would make (the same
+        frequencies, scaling and dtype, every position covered), else None."""
+        self.result()
+        if self.tables is None or inv is None or n_needed > self.n or dtype != self.shape.dtype:
+            return None
+        if scaling != self.shape.rope_attention_scaling or not torch.equal(inv, rope.inv_freq_of(self.shape)):
+            return None
+        return self.tables
+
+
+def warm_compress(shape: ModelShape, params: SekvParams, device: torch.device, spans: int = 4) -> None:
+    """A layer's factorisation (factorize_many: the Gram, the subspace iteration's Cholesky QR and k x k
+    eigensolver, the packing) and coding (codec.encode_factors) once on made-up keys and values of ``spans`` spans
+    of rank_max + 8 rows on ``device`` (on CUDA on a stream of its own, synchronised at the end); nothing is kept."""
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(0)  # drawn where they are used: no copy from pageable memory
+    rows = max(params.rank_max, 32) + 8
+    hkv, d = shape.n_kv_heads, shape.head_dim
+    span_len = torch.full((spans,), rows, dtype=torch.long)
+    opts = dict(rank_max=params.rank_max, int8=params.factors_8bit, dtype=getattr(torch, params.factor_dtype), method=params.svd)
+    side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        x = [torch.randn(hkv, spans * rows, d, generator=g, device=dev) for _ in range(2)]
+        fs = fz.factorize_many(x, span_len, energies=[params.energy_k, params.energy_v], keeps=[None, None], **opts)
+        if params.coded:
+            for f, cfg in zip(fs, codec_configs(params)):
+                codec.encode_factors(f, span_len, d, **dict(cfg, scales="fp16"))
+    if side is not None:
+        side.synchronize()
+
+
+def compress(prefill: PrefillResult, params: SekvParams, arena: torch.Tensor | None = None, emit=None,
+             prepared: Prepared | None = None) -> dict[str, torch.Tensor]:
     """The pack's tensors (host memory) of a document prefilled at once; ``arena``: host memory to copy them into
     (sekv/host_copies.py).  The one-window case of :func:`compress_windows`."""
-    return compress_windows([prefill], params, arena, emit)
+    return compress_windows([prefill], params, arena, emit, prepared)
 
 
-def compress_windows(windows, params: SekvParams, arena: torch.Tensor | None = None, emit=None) -> dict[str, torch.Tensor]:
+def compress_windows(windows, params: SekvParams, arena: torch.Tensor | None = None, emit=None,
+                     prepared: Prepared | None = None) -> dict[str, torch.Tensor]:
     """The pack's tensors of a document given as window prefills (at global positions, one at a time): each window
     compressed on its own (:func:`compress_window`), then merged (sekv/merge.py).  ``emit(tensors)``: a document of
     one window with coded factors hands each layer's final tensors that need no other layer (merge.final_layer) to
     it as they are made, a callable that waits for their copy to the host and returns them (the pipelined ingest
-    writes them into the pack while compress goes on); they are left out of what this returns."""
+    writes them into the pack while compress goes on); they are left out of what this returns.  ``prepared``: what
+    was made during the prefill (:class:`Prepared`)."""
     pieces, trained, lex, moments, rest = [], None, None, [], arena
     for prefill in windows:
         if not pieces:
@@ -233,6 +311,8 @@ def compress_windows(windows, params: SekvParams, arena: torch.Tensor | None = N
         whole = not pieces and prefill.start == 0 and prefill.n_tokens == (prefill.doc_tokens or prefill.n_tokens)
         with fz.single_thread():  # many small tensor ops: intra-op threads cost more than they give (the prefill keeps them)
             on = {"emit": emit} if whole and emit is not None else {}
+            if prepared is not None:
+                on["prepared"] = prepared
             piece = compress_window(prefill, params, trained, rest, code=whole, **on)
         rest = arena_after(rest, piece.arena_bytes)  # every window's results in the host arena, one after the other
         if params.prior == "kvzip":  # KVzip's reconstruction passes: model forwards, with the prefill's threads
@@ -258,7 +338,7 @@ def arena_after(arena: torch.Tensor | None, used: int) -> torch.Tensor | None:
 
 
 def compress_window(prefill: PrefillResult, params: SekvParams, trained=None, arena: torch.Tensor | None = None, code: bool = False,
-                    emit=None) -> merge.Piece:
+                    emit=None, prepared: Prepared | None = None) -> merge.Piece:
     """One window's spans, full-resolution tokens, coarse entries, factors and key moments, on the host; global
     positions from prefill.start.  The factors are not yet coded (the merge codes the windows' together), unless
     ``code`` (the window is the whole document) and the pack codes them (params.coded): then they are coded where
@@ -272,7 +352,7 @@ def compress_window(prefill: PrefillResult, params: SekvParams, trained=None, ar
     if dev.type == "cuda":  # the prefill's cached blocks back to the driver: compress's own sizes, less fragmentation
         torch.cuda.empty_cache()
     code = code and params.coded
-    return _compress_window(prefill, params, trained, arena, dev, free_bytes(dev), code, emit if code else None)
+    return _compress_window(prefill, params, trained, arena, dev, free_bytes(dev), code, emit if code else None, prepared)
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -281,7 +361,7 @@ def _out_of_memory(e: BaseException) -> bool:
 
 
 def _compress_window(prefill: PrefillResult, params: SekvParams, trained, arena: torch.Tensor | None, dev: torch.device,
-                     bound: int | None, code: bool = False, emit=None) -> merge.Piece:
+                     bound: int | None, code: bool = False, emit=None, prepared: Prepared | None = None) -> merge.Piece:
     shape = prefill.shape
     seg = segmentation(prefill, params)
     pos, sid = seg.span_tokens()
@@ -320,12 +400,16 @@ def _compress_window(prefill: PrefillResult, params: SekvParams, trained, arena:
     rot = None
     if pre:  # the keys are at their global positions: RoPE's cos / sin of rows p0:p1 (span order) on the device
         gpos, scaling, dt, whole = pos + prefill.start, shape.rope_attention_scaling, _kv_dtype(prefill), []
+        n_needed = int(gpos.max()) + 1 if gpos.numel() else 0
+        tables = prepared.rot_tables(inv, scaling, dt, n_needed) if prepared is not None else None
 
         def rot(p0: int, p1: int) -> tuple[torch.Tensor, torch.Tensor]:
             if p0 == 0 and p1 == gpos.numel():  # whole layers: the window's made once (a chunk's with its inputs)
                 if not whole:
-                    whole.extend(t.to(dev) for t in rope.cos_sin(gpos, inv, scaling, dtype=dt))
+                    whole.extend(_rot_tables(tables, gpos, dev) if tables is not None else (t.to(dev) for t in rope.cos_sin(gpos, inv, scaling, dtype=dt)))
                 return whole[0], whole[1]
+            if tables is not None:  # a layer in span chunks (device memory is short): the chunk's rows indexed on the host
+                return tuple(t.index_select(0, gpos[p0:p1].long()).to(dev) for t in tables)
             c, s_ = rope.cos_sin(gpos[p0:p1], inv, scaling, dtype=dt)
             return c.to(dev), s_.to(dev)
     host = {k: t for k, t in out.items() if t.device.type == "cpu"}
@@ -362,6 +446,13 @@ def _compress_window(prefill: PrefillResult, params: SekvParams, trained, arena:
     piece = merge.Piece(prefill.start, prefill.n_tokens, seg, to_host(host, copies), copies.off, emitted)
     _progress("window_done")
     return piece
+
+
+def _rot_tables(tables: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``positions`` of :class:`Prepared`'s cos / sin tables, on ``dev`` (the tables go up whole, page-locked on
+    CUDA, and are indexed there; the whole tables go when indexed): rope.cos_sin of those positions, value for value."""
+    idx = positions.long().to(dev)
+    return tuple(t.to(dev).index_select(0, idx) for t in tables)
 
 
 def _group_tensors(prefill: PrefillResult, params: SekvParams, layers: range, chunks, span_len: torch.Tensor, ctx) -> dict[str, torch.Tensor]:

@@ -133,7 +133,8 @@ def decompose_spans(x: torch.Tensor, span_len: torch.Tensor, rank_max: int = 32,
         src = torch.where(valid, first[ids].view(-1, 1) + j.view(1, -1), torch.zeros_like(valid, dtype=torch.long))
         a = x[:, src].masked_fill_(~valid.view(1, *valid.shape, 1), 0.0)  # [hkv, Sb, nb, d], padding rows zero
         with single_thread():
-            us, sigma, vt = _decompose(a.reshape(-1, nb, d), method, want=r_cap, rows_at_least_want=n_min >= r_cap)
+            us, sigma, vt = _decompose(a.reshape(-1, nb, d), method, want=r_cap, rows_at_least_want=n_min >= r_cap, own=True)  # a: scaled in place
+        del a
         k = min(r_cap, us.shape[-1])
         m = min(nb, n_max)
         us_pad[:, ids, :m, :k] = us.reshape(hkv, -1, nb, us.shape[-1])[:, :, :m, :k]

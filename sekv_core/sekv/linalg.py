@@ -27,14 +27,24 @@ SUBSPACE_ITERS = 6
 CHOLQR_SHIFT_F32 = 1e-6
 
 
-def _unit_scale(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _unit_scale(a: torch.Tensor, own: bool = False, finite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """a [B, m, n] -> (a / s, s [B, 1, 1]): every matrix scaled to max-abs 1 (all-zero ones by 1).
 
-    Non-finite entries (a broken activation) count as 0, so every later step sees finite numbers."""
-    a = torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0)  # a new tensor: scaled in place below (one copy of a)
-    s = a.abs().amax(dim=(-2, -1), keepdim=True) if a.numel() else a.new_ones(a.shape[0], 1, 1)
+    Non-finite entries (a broken activation) count as 0, so every later step sees finite numbers.  ``own``: a is
+    the caller's temporary, scaled in place (no copy of it); ``finite``: a is known finite (a Gram of unit-scaled
+    blocks), nothing to clear.  The max-abs is one reduction (no |a| made): the same values."""
+    if not finite:
+        a = a.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0) if own else torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0)
+    elif not own:
+        a = a.clone()
+    s = _max_abs(a) if a.numel() else a.new_ones(a.shape[0], 1, 1)
     s = torch.where(s > 0, s, torch.ones_like(s))
     return a.div_(s), s
+
+
+def _max_abs(a: torch.Tensor) -> torch.Tensor:
+    """max |a| of every matrix of a [B, m, n]: [B, 1, 1] (a.abs().amax(...) without the |a| tensor: the same values)."""
+    return torch.linalg.vector_norm(a, float("inf"), dim=(-2, -1), keepdim=True)
 
 
 def _host_eigh(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +141,7 @@ def _cholqr(x: torch.Tensor) -> torch.Tensor:
     return q
 
 
-def top_eigh(g: torch.Tensor, k: int, iters: int = 4, exact_orth: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def top_eigh(g: torch.Tensor, k: int, iters: int = 4, exact_orth: bool = True, finite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Leading k eigenpairs of batched symmetric PSD matrices g [B, d, d]: (values [B, k] descending,
     vectors [B, d, k]).  Subspace iteration from a fixed random start, then Rayleigh-Ritz: only k x k
     eigenproblems (k <= 32), which cuSOLVER batches, where a d x d eigh (d = 128) would loop over the batch.
@@ -144,9 +154,13 @@ def top_eigh(g: torch.Tensor, k: int, iters: int = 4, exact_orth: bool = True) -
 
     Each matrix is scaled to unit max-abs first (its eigenvalues are scaled back), and every step falls back
     per matrix where it fails (module comment above): any finite or non-finite input gives finite output.
+    ``finite``: g is known finite (a Gram of finite blocks), its non-finite entries are not looked for.
     """
     b, d, _ = g.shape
-    g, s = _unit_scale(0.5 * (g + g.transpose(1, 2)))
+    # 0.5 (g + g^T) scaled to max-abs 1: the halving folded into the scale (a power of two: the same quotients), the
+    # sum scaled in place; a Gram of finite blocks (``finite``) has nothing to clear
+    g2, s = _unit_scale(g + g.transpose(1, 2), own=True, finite=finite)
+    g, s = g2, s * 0.5
     gen = torch.Generator(device=g.device).manual_seed(0)
     x = g @ torch.randn(d, k, generator=gen, device=g.device, dtype=torch.float64).to(g.dtype)
     for _ in range(iters):
@@ -176,24 +190,25 @@ def _subspace_path(a: torch.Tensor, method: str, want: int | None) -> bool:
     return method == "gram" and (a.is_cuda or SUBSPACE_ON_CPU) and want is not None and want < min(n, d) and d > BATCHED_EIG_MAX and want <= BATCHED_EIG_MAX
 
 
-def _decompose(a: torch.Tensor, method: str, want: int | None = None, rows_at_least_want: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _decompose(a: torch.Tensor, method: str, want: int | None = None, rows_at_least_want: bool = False, own: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """a [B, n, d] -> (U*sigma [B, n, k], sigma [B, k], Vt [B, k, d]), sigma descending, k = min(n, d).
 
     On CUDA, when only ``want`` < min(n, d) components are needed and d exceeds what cuSOLVER's batched
     eigensolver takes, the leading ones come from :func:`top_eigh` (k = want); ``rows_at_least_want`` (every
     matrix of the batch has at least ``want`` real, unpadded rows) lets it orthonormalise by Cholesky QR.
     Every block is factorised at unit scale (max-abs 1) and scaled back; blocks whose factors come out non-finite
-    are redone by the float64 SVD on the host (:func:`_host_svd`).
+    are redone by the float64 SVD on the host (:func:`_host_svd`).  ``own``: a is the caller's temporary, scaled in
+    place (it is the unit-scaled blocks afterwards).
     """
     if method not in ("gram", "svd"):
         raise ValueError(f"unknown factorisation method {method!r}")
-    an, s = _unit_scale(a)
+    an, s = _unit_scale(a, own=own)
     if _subspace_path(a, method, want):
         # the Gram's product in float32, the iteration in float64: real pre-RoPE keys have lambda_1 / lambda_32 ~ 3,400,
         # so the iterated block's Gram spans ~1e7, and float32's Cholesky QR shift (CHOLQR_SHIFT_F32) damped the
         # trailing components: the energy rule stopped at rank 13.7 for 16.9 (docs/long-documents.md)
         af = an.float()
-        evals, v = top_eigh((af.transpose(1, 2) @ af).double(), want, iters=SUBSPACE_ITERS, exact_orth=not rows_at_least_want)
+        evals, v = top_eigh((af.transpose(1, 2) @ af).double(), want, iters=SUBSPACE_ITERS, exact_orth=not rows_at_least_want, finite=True)
         v = v.float()
         us, sigma, vt = (af @ v).to(a.dtype), evals.sqrt().to(a.dtype), v.transpose(1, 2).to(a.dtype)
     elif method == "svd":
