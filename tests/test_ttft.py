@@ -358,16 +358,16 @@ def test_cuda_blocks_thread_rehearses_the_first_layer(tier):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_first_sekv_question_after_the_first_layer_rehearsal_loads_no_kernel(packs, tiny_qwen):
-    """On CUDA, with the model's own kernels loaded by a question of full's (what full's first question pays too), a
-    sekv session opened after it builds its blocks and rehearses the first layer before the model is loaded: its first
-    question, to its first token, then makes no lazy CUDA function load (every sekv kernel of its way ran in the
-    rehearsal)."""
+    """On CUDA, with the model's own kernels loaded by the same question asked of full (what full's first question
+    pays too; the same length, so the model's products pick the same kernels), a sekv session opened after it builds
+    its blocks and rehearses its first layers before the model is loaded: its first question, to its first token,
+    then makes no lazy CUDA function load (every sekv kernel of its way ran in the rehearsal)."""
     from torch.profiler import ProfilerActivity, profile
 
     from sekv_core import models
 
     lm = models.load(str(tiny_qwen), device="cuda")
-    Session.open(packs["full"], lm=lm).ask(QUESTIONS[1], max_new_tokens=6)
+    Session.open(packs["full"], lm=lm).ask(QUESTIONS[0], max_new_tokens=6)
     s = Session.open(packs["sekv"], model=str(tiny_qwen), device="cuda")  # the build and rehearsal start before the load
     build = s.memory._blocks
     build.join()  # as when the model load outlasts them (a question asked before the build's end skips the rehearsal)
