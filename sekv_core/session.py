@@ -22,7 +22,7 @@ from .sampling import Sampler, Sampling
 
 #: Session.rehearse's question (its length near a typical question's with the chat template: the question's
 #: products pick their kernels by size) and its answer's tokens (the first and two single-token steps: the step the
-#: decode graph is captured at and one more)
+#: decode graph is captured at and one more; made whatever they are: no stop token ends a rehearsal)
 REHEARSAL_QUESTION = "What is this document about, and which of its parts says the most about it?"
 REHEARSAL_TOKENS = 3
 
@@ -73,12 +73,21 @@ class Session:
             import torch
 
             t = time.perf_counter()
+            rehearsing = hasattr(self.memory, "rehearsing")  # the memory runs the branches a question may take (sekv)
             try:
+                if rehearsing:
+                    self.memory.rehearsing = True
                 with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                    self._ask(REHEARSAL_QUESTION, max_new_tokens=REHEARSAL_TOKENS)
+                    self._ask(REHEARSAL_QUESTION, max_new_tokens=REHEARSAL_TOKENS, rehearsal=0)
+                    # the question one token shorter, to its first token: lengths of both parities (a reduction over
+                    # the question's rows takes them by fours or by twos, a different kernel)
+                    self._ask(REHEARSAL_QUESTION, max_new_tokens=1, rehearsal=1)
                 self.rehearsal_s = time.perf_counter() - t
             except Exception as e:  # noqa: BLE001 - a rehearsal only saves time: the real question meets any error itself
                 self.rehearsal_error = e
+            finally:
+                if rehearsing:
+                    self.memory.rehearsing = False
 
         self._rehearsal = threading.Thread(target=run, name="sekv-rehearsal", daemon=True)
         self._rehearsal.start()
@@ -172,12 +181,17 @@ class Session:
         on_text: Callable[[str], None] | None = None,
         on_step: Callable[[KVMemory], None] | None = None,
         sampling: Sampling | None = None,
+        rehearsal: int | None = None,
     ) -> Answer:
+        """rehearsal (Session.rehearse): this many of the question's first tokens dropped (another length), and no stop
+        token: its max_new_tokens are all made."""
         question = question.strip()
         if not question:
             raise SekvError("the question is empty")
         suffix = prompt.question_suffix(self.lm.tokenizer, question, history, self.pack.manifest.get("system"))
         q_ids = prompt.encode(self.lm.tokenizer, suffix)
+        if rehearsal:
+            q_ids = q_ids[rehearsal:]
         models.set_rope_scaling(self.lm, self.rope_factor)
         window, reserve = self.window, len(q_ids) + max_new_tokens
         self.start = start_ask(self.memory, self.start, window, reserve)
@@ -190,7 +204,8 @@ class Session:
         stream = TextStream(self.lm.tokenizer, on_text) if on_text else None
         try:
             ids, stats = generate(
-                self.lm.model, self.memory, q_ids, max_new_tokens=max_new_tokens, stop_ids=self.stop_ids, on_token=stream, on_step=on_step,
+                self.lm.model, self.memory, q_ids, max_new_tokens=max_new_tokens, stop_ids=self.stop_ids if rehearsal is None else set(),
+                on_token=stream, on_step=on_step,
                 compile_layers=self.compile_layers and placement.input_device(self.lm.model).type == "cuda", question=question,
                 sampler=Sampler(sampling) if sampling is not None and not sampling.greedy else None,
             )

@@ -3,8 +3,13 @@ behind it (CUDA); the scout's scoring is the same masses with fewer launches."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.profiler import record_function
 
 from conftest import SAMPLE_MD
 from sekv_core import api as sekv
@@ -34,6 +39,74 @@ def _open(pack, lm, batched: bool) -> Session:
     if batched:
         s.memory.batched = True  # the accelerators' step (sekv/gpu_step.py), on the CPU
     return s
+
+
+def lazy_loads(prof) -> list[str]:
+    """Each lazy CUDA function load of a profile (``record_shapes``; the code run under :class:`Lines`), named by what
+    ran it."""
+    events = list(prof.events())
+    return [around(events, e) for e in events if e.name == "Lazy Function Loading"]
+
+
+def around(events, target) -> str:
+    """What ran ``target``: its profiler parents and the host events whose time holds it (on its thread, else on any),
+    outermost first (:class:`Lines`' source lines among them), and the innermost op's input shapes and kernels."""
+    t0, t1 = target.time_range.start, target.time_range.end
+    held = [e for e in events if e is not target and e.device_type == target.device_type and e.time_range.start <= t0 and t1 <= e.time_range.end]
+    held = [e for e in held if e.thread == target.thread] or held
+    held.sort(key=lambda e: (e.time_range.start, -e.time_range.end))
+    parents, p = [], target.cpu_parent
+    while p is not None:
+        parents.insert(0, p.name)
+        p = p.cpu_parent
+    out = [f"{target.name} at {t0:.0f} us", "parents: " + " > ".join(parents[-24:]), "held by: " + " > ".join(e.name for e in held[-24:])]
+    for e in reversed(held):  # the innermost op with shapes or kernels
+        if e.input_shapes or e.kernels:
+            out.append(f"innermost {e.name}: shapes {e.input_shapes}; kernels {[k.name[:160] for k in e.kernels]}")
+            break
+    return "\n  ".join(out)
+
+
+class Lines(TorchFunctionMode):
+    """Each torch call of sekv's or transformers' code inside a profiler range named by its source line ("path:line"),
+    so that a profile's events say where they were called from (the profiler's own ``with_stack`` is not used: its
+    parse failed now and then in tests, decoding a frame's name)."""
+
+    MINE = (f"{os.sep}sekv_core{os.sep}", f"{os.sep}transformers{os.sep}models{os.sep}")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        f = sys._getframe(1)
+        while f is not None and not any(m in f.f_code.co_filename for m in self.MINE):
+            f = f.f_back
+        if f is None:
+            return func(*args, **(kwargs or {}))
+        name = f.f_code.co_filename
+        for m in self.MINE:
+            name = name.split(m, 1)[-1] if m in name else name
+        with record_function(f"{name}:{f.f_lineno}"):
+            return func(*args, **(kwargs or {}))
+
+
+def test_around_names_what_ran_an_event():
+    """The failure message of the no-lazy-load tests names a load by what ran it (here: a product's kernel call, inside
+    the op and sekv's source line that called it), so that a CUDA run says which kernel of which part loaded."""
+    import inspect
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from sekv_core.sekv import gpu_step
+
+    q, keys = torch.ones(2, 3, 4), torch.ones(2, 5, 4)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof, Lines():
+        gpu_step.BatchedStep.scout_exact(q, keys, 0.5)
+    events = list(prof.events())
+    bmm = next(e for e in events if e.name == "aten::bmm" and e.device_type == DeviceType.CPU)
+    text = around(events, bmm)
+    lines, first = inspect.getsourcelines(gpu_step.BatchedStep.scout_exact)
+    line = first + next(i for i, t in enumerate(lines) if "torch.matmul" in t)
+    assert f"sekv/gpu_step.py:{line} > aten::matmul" in text.split("held by: ")[1]  # the line, then the op
+    assert "innermost aten::matmul: shapes [[2, 3, 4], [2, 4, 5]]" in text
 
 
 @pytest.mark.parametrize("method,batched", [("sekv", False), ("sekv", True), ("full", False)])
@@ -79,10 +152,10 @@ def test_cuda_first_question_after_the_rehearsal_loads_no_kernel(packs, tiny_qwe
         assert s.rehearse()
         s.settle()
         assert s.rehearsal_error is None, s.rehearsal_error
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof, Lines():
             s.ask("Which lamp was lit last, and by whom, in the keeper's own words?", max_new_tokens=6)
-        loads = [e for e in prof.events() if e.name == "Lazy Function Loading"]
-        assert not loads, (method, len(loads))
+        loads = lazy_loads(prof)
+        assert not loads, f"{method}: {len(loads)} lazy loads\n" + "\n".join(loads)
 
 
 def _scout_args(device: str):
@@ -149,9 +222,10 @@ def test_scout_rotation_table_in_16_bits_holds_the_rotation_exactly(dtype):
 @pytest.mark.parametrize("tier", ["factors", "int8"])
 def test_rehearsal_on_the_first_layer_runs_the_question_way_and_keeps_nothing(tier, monkeypatch):
     """rehearse_layer (what the factor blocks' thread runs on CUDA while the model loads) takes the question's way on
-    the pack's first layer: the scout pass (its scoring in graph chunks where a layer makes several), the fixed sets'
-    fill, the first forward and a single-token step, on the accelerators' step; the pack's own memory, opened after
-    it with the same blocks, answers as one opened without it."""
+    the pack's first layers, for each of its question lengths: the scout pass (its scoring in graph chunks where a
+    layer makes several), the fixed sets' fill, the first forward; then a single-token step, eager and static, on the
+    accelerators' step; the pack's own memory, opened after it with the same blocks, answers as one opened without
+    it."""
     from sekv_core.sekv import gpu_step, memory, scout_graphs, zoom_tier
     from test_sekv_method import _setup
 
@@ -159,7 +233,7 @@ def test_rehearsal_on_the_first_layer_runs_the_question_way_and_keeps_nothing(ti
     model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.3, min_span=10, window=16, zoom_tier=tier)
     blocks = gpu_step.build_blocks(mem.res)
     calls = {}
-    for name in ("prepare_question", "_step"):
+    for name in ("prepare_question", "_step", "static_begin"):
         real = getattr(memory.ZoomMemory, name)
 
         def spy(self, *a, _real=real, _name=name, **k):
@@ -177,7 +251,10 @@ def test_rehearsal_on_the_first_layer_runs_the_question_way_and_keeps_nothing(ti
     monkeypatch.setattr(scout_graphs, "MIN_CHUNKS", 2)
     monkeypatch.setattr(gpu_step, "SCOUT_GRAPHS_ON_CPU", True)
     s = memory.rehearse_layer(store, p, res.shape, "cpu", blocks, batched=True)
-    assert s > 0 and calls["prepare_question"] == [1] and set(calls["_step"]) == {1} and fills == [0] and set(replays) == {0}
+    n, k = min(memory.REHEARSAL_LAYERS, res.shape.n_layers), len(memory.REHEARSAL_TOKENS)
+    assert n >= 2 and k >= 2  # several layers' stacks and views; a second length
+    assert s > 0 and calls["prepare_question"] == [n] * k and set(calls["_step"]) == {n} and calls["static_begin"] == [n]
+    assert fills == list(range(n)) * k and set(replays) == set(range(n))
     monkeypatch.undo()
     q = torch.tensor([[5, 17, 42, 99, 7, 250, 31, 8]])
     from sekv_core import runtime
@@ -193,6 +270,65 @@ def test_rehearsal_on_the_first_layer_runs_the_question_way_and_keeps_nothing(ti
     assert torch.equal(a, b) and torch.equal(pa, pb)
 
 
+def test_rehearsals_draw_nothing_from_the_default_generator_and_take_the_lexical_branches(packs, lm, monkeypatch):
+    """No rehearsal (rehearse_layer, Session.rehearse) nor question draws from the default generator: on CUDA a draw
+    from it beside a CUDA graph's capture (on any thread), or after a capture that failed, raises.  rehearse_layer's
+    made-up question takes the lexical evidence's way, the look-alikes' demotion included (demoting nothing); the
+    session's rehearsal asks two lengths (one token apart), each to its last token whatever the stop tokens, and
+    leaves the memory as it was."""
+    from sekv_core.pack import read_pack
+    from sekv_core.sekv import gpu_step, lexical, memory, scout
+
+    s = Session.open(packs["sekv"], lm=lm)
+    s.memory.batched = True
+    demoted, evidence = [], []
+    real_demote, real_finish = lexical.demote, scout.Ranking.finish_pass
+    monkeypatch.setattr(lexical, "demote", lambda prio, mask: demoted.append(mask) or real_demote(prio, mask))
+    monkeypatch.setattr(scout.Ranking, "finish_pass", lambda self, pr, pw, lex, lw: evidence.append(lex) or real_finish(self, pr, pw, lex, lw))
+    state = torch.random.get_rng_state()
+    memory.rehearse_layer(read_pack(packs["sekv"]), s.memory.params, s.memory.shape, "cpu", gpu_step.build_blocks(s.memory.res), batched=True)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert len(evidence) == len(memory.REHEARSAL_TOKENS) and all(e is not None for e in evidence)
+    assert len(demoted) == len(memory.REHEARSAL_TOKENS) and all(m is not None and not m.any() for m in demoted)
+    seen = []
+    real_generate = session_mod.generate
+
+    def spy(model, mem, q_ids, **kw):
+        ids, stats = real_generate(model, mem, q_ids, **kw)
+        seen.append((len(q_ids), kw["max_new_tokens"], len(ids), mem.rehearsing))
+        return ids, stats
+
+    monkeypatch.setattr(session_mod, "generate", spy)
+    s.stop_ids = set(range(len(lm.tokenizer)))  # every token ends an answer
+    assert s.rehearse(force=True)
+    s.settle()
+    assert s.rehearsal_error is None, s.rehearsal_error
+    (n0, t0, m0, r0), (n1, t1, m1, r1) = seen
+    assert (t0, m0, t1, m1) == (session_mod.REHEARSAL_TOKENS, session_mod.REHEARSAL_TOKENS, 1, 1) and n1 == n0 - 1 and r0 and r1
+    assert not s.memory.rehearsing
+    assert s.ask(QUESTIONS[0], max_new_tokens=4).token_ids == [] and seen[-1][3] is False  # a question stops at its stop tokens
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_tf32_stays_on_while_a_step_on_another_thread_is_inside():
+    """The batched step's TF32 products (gpu_step._tf32, a process-wide setting): a question and the blocks'
+    rehearsal run steps on two threads at once; one leaving leaves the other's products in TF32, and the setting is
+    set back once both have left."""
+    from sekv_core.sekv.gpu_step import _tf32
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    a, b = _tf32(True), _tf32(True)
+    try:
+        a.__enter__()
+        b.__enter__()
+        a.__exit__(None, None, None)
+        assert torch.backends.cuda.matmul.allow_tf32
+        b.__exit__(None, None, None)
+        assert torch.backends.cuda.matmul.allow_tf32 == before
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("tier", ["factors", "int8"])
 def test_cuda_blocks_thread_rehearses_the_first_layer(tier):
@@ -205,10 +341,12 @@ def test_cuda_blocks_thread_rehearses_the_first_layer(tier):
 
     model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.3, min_span=10, window=16, zoom_tier=tier)
     dev = torch.device("cuda", torch.cuda.current_device())
+    state = torch.cuda.get_rng_state(dev)
     gpu_step.start_blocks(store, res.shape, res.n_tokens, dev, p)
     early = gpu_step._EARLY[id(store)][2]
     early.join()
     assert early.warm_error is None and early.rehearsal_s is not None, repr(early.warm_error)
+    assert torch.equal(torch.cuda.get_rng_state(dev), state)  # no draw from the device's default generator
     model = model.to(dev)
     q = torch.tensor([[5, 17, 42, 99, 7, 250, 31, 8]], device=dev)
     out = []
@@ -220,21 +358,21 @@ def test_cuda_blocks_thread_rehearses_the_first_layer(tier):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_first_sekv_question_after_the_first_layer_rehearsal_loads_no_kernel(packs, tiny_qwen):
-    """On CUDA, with the model's own kernels loaded by a question of full's (what full's first question pays too), a
-    sekv session opened after it builds its blocks and rehearses the first layer before the model is loaded: its first
-    question, to its first token, then makes no lazy CUDA function load (every sekv kernel of its way ran in the
-    rehearsal)."""
+    """On CUDA, with the model's own kernels loaded by the same question asked of full (what full's first question
+    pays too; the same length, so the model's products pick the same kernels), a sekv session opened after it builds
+    its blocks and rehearses its first layers before the model is loaded: its first question, to its first token,
+    then makes no lazy CUDA function load (every sekv kernel of its way ran in the rehearsal)."""
     from torch.profiler import ProfilerActivity, profile
 
     from sekv_core import models
 
     lm = models.load(str(tiny_qwen), device="cuda")
-    Session.open(packs["full"], lm=lm).ask(QUESTIONS[1], max_new_tokens=6)
+    Session.open(packs["full"], lm=lm).ask(QUESTIONS[0], max_new_tokens=6)
     s = Session.open(packs["sekv"], model=str(tiny_qwen), device="cuda")  # the build and rehearsal start before the load
     build = s.memory._blocks
     build.join()  # as when the model load outlasts them (a question asked before the build's end skips the rehearsal)
     assert build.warm_error is None and build.rehearsal_s is not None
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof, Lines():
         s.ask(QUESTIONS[0], max_new_tokens=1)  # to the first token (the decode steps' graphs come after it)
-    loads = [e for e in prof.events() if e.name == "Lazy Function Loading"]
-    assert not loads, len(loads)
+    loads = lazy_loads(prof)
+    assert not loads, f"{len(loads)} lazy loads\n" + "\n".join(loads)

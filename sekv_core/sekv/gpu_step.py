@@ -859,16 +859,29 @@ class ScoutRows:
 
 class _tf32:
     """float32 products on tensor cores (TF32) inside the step: the inputs are bf16 / int8-times-scale values,
-    which TF32's 10-bit mantissa holds (bf16: 7 bits) or rounds far below their quantisation error."""
+    which TF32's 10-bit mantissa holds (bf16: 7 bits) or rounds far below their quantisation error.  The setting is
+    the process's, and steps run on two threads at once (a question and the blocks' rehearsal beside it,
+    sekv/memory.py rehearse_layer): one count for all, so that it is on while any step is inside and set back when
+    the last one leaves (each setting it back on its own exit turned it off under the other's products)."""
+
+    _lock = threading.Lock()
+    _inside = 0
+    _old = False
 
     def __init__(self, on: bool):
         self.on = on
 
     def __enter__(self):
         if self.on:
-            self.old = torch.backends.cuda.matmul.allow_tf32
-            torch.backends.cuda.matmul.allow_tf32 = True
+            with _tf32._lock:
+                if _tf32._inside == 0:
+                    _tf32._old = torch.backends.cuda.matmul.allow_tf32
+                    torch.backends.cuda.matmul.allow_tf32 = True
+                _tf32._inside += 1
 
     def __exit__(self, *exc):
         if self.on:
-            torch.backends.cuda.matmul.allow_tf32 = self.old
+            with _tf32._lock:
+                _tf32._inside -= 1
+                if _tf32._inside == 0:
+                    torch.backends.cuda.matmul.allow_tf32 = _tf32._old

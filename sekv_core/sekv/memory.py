@@ -58,6 +58,9 @@ class ZoomMemory(KVMemory):
         #: accelerators take the batched step (any layer on one); the CPU the reference step (settable between asks)
         self.batched = any(d.type == "cuda" for d in res.layer_devices)
         self.step: CpuStep | BatchedStep | None = None
+        #: a rehearsal (rehearse_layer, Session.rehearse): the question's branches run where its text takes none (the
+        #: look-alikes' demotion with none to demote), so that their kernels are loaded for the questions to come
+        self.rehearsing = False
         #: the batched step's blocks, built on a second thread from now on (sekv/gpu_step.py BlockBuild), or taken up
         #: from the build started for this pack before the model loaded (gpu_step.start_blocks; one device only)
         self._blocks, self._early = None, False
@@ -233,7 +236,10 @@ class ZoomMemory(KVMemory):
         evidence (none when lexical_weight is 0: the scout ranks by attention alone)."""
         if self.params.lookalikes != "demote" or self.params.lexical_weight <= 0 or not question or self.res.lexicon is None:
             return None
-        return self.res.lexicon.lookalikes(question, self.res.block_start)
+        look = self.res.lexicon.lookalikes(question, self.res.block_start)
+        if look is None and self.rehearsing:  # none: the demotion runs demoting nothing (lexical.demote leaves prio as it is)
+            look = torch.zeros(self.res.n_blocks, dtype=torch.bool)
+        return look
 
     def _scout_layer(self, layer: int, query: torch.Tensor, scaling: float) -> None:
         hkv, d = self.shape.n_kv_heads, self.shape.head_dim
@@ -317,12 +323,12 @@ class _Built:
         pass
 
 
-class _FirstLayer:
-    """A pack read as if it held its first layer alone (its config says one layer; every other tensor is the pack's,
-    read through it, the zoom tier's rows through its map, unchecked: nothing read here is kept)."""
+class _FirstLayers:
+    """A pack read as if it held its first ``n`` layers alone (its config says ``n`` layers; every other tensor is the
+    pack's, read through it, the zoom tier's rows through its map, unchecked: nothing read here is kept)."""
 
-    def __init__(self, store):
-        self._store = store
+    def __init__(self, store, n: int):
+        self._store, self._n = store, n
         if hasattr(store, "mapped"):
             self.mapped = store.mapped
 
@@ -335,44 +341,73 @@ class _FirstLayer:
             from .layout import CONFIG_FIELDS
 
             t = t.clone()
-            t[CONFIG_FIELDS.index("n_layers")] = 1
+            t[CONFIG_FIELDS.index("n_layers")] = self._n
         return t
 
 
-#: rehearse_layer's question tokens (near a typical question's with the chat template: products pick kernels by size)
-REHEARSAL_TOKENS = 32
+#: rehearse_layer's question lengths, in tokens: near a typical question's with the chat template, one even and one odd
+#: (products, reductions and elementwise kernels pick their variant by size: a reduction's outputs by fours or twos,
+#: a product's tile by its rows)
+REHEARSAL_TOKENS = (32, 47)
+#: the pack's layers it runs on: later layers read views at other offsets of tensors stacked over layers (an
+#: elementwise kernel's vector width follows its operands' alignment) and the scout stacks several layers' queries
+REHEARSAL_LAYERS = 4
+#: its question's text: the lexical evidence's kernels run (its scores are the pack's lexicon's, zeros where no word
+#: of it is the document's)
+REHEARSAL_TEXT = "What does the document say about this, and where?"
 
 
-def rehearse_layer(store, params: SekvParams, shape: ModelShape, device, blocks: list, n_q: int = REHEARSAL_TOKENS,
-                   batched: bool | None = None) -> float:
-    """A question's way through the memory, run once on the pack's first layer alone (its resident entries, router,
-    profile, zoom tier and the factor blocks ``blocks[0]``, built already) with made-up queries, keys and values of
-    the model's shape and dtype: the scout pass (its per-layer-routed forward and its scoring, in chunks and graphs
-    as the pack's length makes them), the fixed sets' plan and fill, the answer's first forward and one
-    single-token step.  On CUDA this loads and sets up the kernels of those parts with the pack's own shapes, so that
-    the first real question does not (sekv/gpu_step.py BlockBuild runs it after the blocks' build, while the model
-    loads).  Its device memory: one layer's resident entries and fixed set, and the scout's chunk transients (at
-    most three SCOUT_CHUNK_BYTES tensors); all freed when it returns.  ``batched``: the step to take
-    (tests: the accelerators' step on the CPU); None: the device's.  -> seconds it took."""
+def _made_up(n: int, heads: int, d: int, dev, dtype, gen: torch.Generator) -> torch.Tensor:
+    """[1, heads, n, d] random values in the layout the model's attention hands over ([1, n, heads, d] transposed),
+    drawn on the host from ``gen`` and moved: no random op on the device (the device's default generator is shared
+    with any CUDA graph captured meanwhile, on any thread, and a draw beside a capture fails)."""
+    return torch.randn(1, n, heads, d, generator=gen).to(dev, dtype).transpose(1, 2)
+
+
+def rehearse_layer(store, params: SekvParams, shape: ModelShape, device, blocks: list, n_q: tuple[int, ...] = REHEARSAL_TOKENS,
+                   batched: bool | None = None, layers: int = REHEARSAL_LAYERS) -> float:
+    """A question's way through the memory, run on the pack's first ``layers`` layers alone (their resident entries,
+    router, profile, zoom tier and factor blocks ``blocks[:layers]``, built already) with made-up queries, keys and
+    values of the model's shape, dtype and layout, for each question length of ``n_q``: the scout pass (its
+    per-layer-routed forward, its scoring in chunks and graphs as the pack's length makes them, and its lexical
+    evidence, the look-alikes' demotion included), the fixed sets' plan and fill, the answer's first forward and the
+    ask's statistics; then a single-token step, eager and static (what a captured decode step runs).  On CUDA this
+    loads and sets up the kernels of those parts with the pack's own shapes, so that the first real question does not
+    (sekv/gpu_step.py BlockBuild runs it after the blocks' build, while the model loads).  No random op runs on the
+    device.  Its device memory: those layers' resident entries and fixed sets, and the scout's chunk transients (at
+    most three SCOUT_CHUNK_BYTES tensors); all freed when it returns.  ``batched``: the step to take (tests: the
+    accelerators' step on the CPU); None: the device's.  -> seconds it took."""
     t0 = time.perf_counter()
-    one = dataclasses.replace(shape, n_layers=1)
-    mem = ZoomMemory(_FirstLayer(store), params, one, device, blocks=blocks[:1])
+    n_layers = max(1, min(layers, shape.n_layers, len(blocks)))
+    part = dataclasses.replace(shape, n_layers=n_layers)
+    mem = ZoomMemory(_FirstLayers(store, n_layers), params, part, device, blocks=blocks[:n_layers])
+    mem.rehearsing = True
     if batched is not None:
         mem.batched = batched
     dev, h, hkv, d = mem.device, shape.n_heads, shape.n_kv_heads, shape.head_dim
+    gen = torch.Generator().manual_seed(0)
+    made = {n: tuple(_made_up(n, k, d, dev, shape.dtype, gen) for k in (h, hkv, hkv)) for n in (*n_q, 1)}  # before any step
 
     def forward(n: int) -> None:
         mem.begin_step(n)
-        q = torch.randn(1, h, n, d, device=dev, dtype=shape.dtype)
-        k = torch.randn(1, hkv, n, d, device=dev, dtype=shape.dtype)
-        mem.attend(0, q, k, torch.randn_like(k), d**-0.5)
+        for layer in range(n_layers):
+            mem.attend(layer, *made[n], d**-0.5).transpose(1, 2).contiguous()  # as the model's attention hook hands it on
         mem.end_step()
 
     with torch.inference_mode():
         base = mem.n_tokens()
-        mem.prepare_question(lambda: forward(n_q))
-        forward(n_q)  # the answer's first forward, over the ranked fixed set
-        forward(1)  # a single-token step
+        for n in n_q:
+            mem.truncate(base)  # a new question
+            mem.prepare_question(lambda n=n: forward(n), REHEARSAL_TEXT)
+            forward(n)  # the answer's first forward, over the ranked fixed sets
+            mem.step_stats()  # what an ask reads at its end
+        forward(1)  # a single-token step, eager
+        if mem.static_supported():  # and static, as a decode step runs (captured on CUDA, by the question)
+            mem.static_begin()
+            with mem.static_mode():
+                for layer in range(n_layers):
+                    mem.attend(layer, *made[1], d**-0.5).transpose(1, 2).contiguous()
+            mem.static_end()
         mem.truncate(base)
         if dev.type == "cuda":
             torch.cuda.current_stream(dev).synchronize()
