@@ -14,7 +14,9 @@ does for one needle) and records, per question and variant:
 
 Variants: ``win@rp`` (the default ask past the window), ``one`` (one prefill, read at the document's own positions:
 the path within the window), ``one@rp`` (that pack re-positioned), ``win@rp:KEY=VALUE+KEY=VALUE`` (ask-time sekv parameters), ``win@rp:oracle``
-(study only: the other needles' blocks ranked last, as a perfect look-alike test would), ``rag``.
+(study only: the other needles' blocks ranked last, as a perfect look-alike test would), ``win@rp:hide`` (study only,
+the CPU step: the look-alikes held at full resolution, in the end window, hidden from attention for the question:
+``Lexicon.resident_lookalikes``), ``rag``.
 
     python -m benchmarks.studies.multi_needle --length 8192 --window 2048 --depths 0,50,100 --seeds 0 \\
         --variants win@rp,rag --cache /tmp/mn --out docs/bench/multi-needle-8k-qwen2.5-0.5b.json
@@ -23,6 +25,7 @@ the path within the window), ``one@rp`` (that pack re-positioned), ``win@rp:KEY=
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -49,15 +52,47 @@ def parse_variant(params, how: str):
     """``KEY=VALUE+KEY=VALUE`` -> params with those ask-time values (``oracle``: study only, see ask_sekv)."""
     for opt in filter(None, how.split("+")):
         k, eq, val = opt.partition("=")
-        if k == "oracle":
+        if k in ("oracle", "hide"):
             continue
         params = params.replace(reposition=k) if not eq else params.replace(**{k: type(getattr(params, k))(_value(val))})
     return params
 
 
-def ask_sekv(lm, mem, q_ids, pq, needles: list[tuple[int, int]], stop_ids, oracle: bool = False, layout: bool = True) -> dict:
+def hidden_columns(mem, question: str) -> torch.Tensor:
+    """The full-resolution columns of the look-alikes no ranking reaches (``Lexicon.resident_lookalikes``: pieces of the
+    end window, the sinks), as indices into the pack's full-resolution tokens."""
+    res = mem.res
+    marked = res.lexicon.resident_lookalikes(question, res.block_start) if res.lexicon is not None else None
+    if marked is None:
+        return torch.zeros(0, dtype=torch.long)
+    pos = torch.cat([torch.arange(s, s + n) for s, n in zip(res.lexicon.run_start[marked].tolist(), res.lexicon.run_len[marked].tolist())])
+    return torch.isin(res.full_pos.cpu(), pos).nonzero().flatten()
+
+
+@contextlib.contextmanager
+def hiding(columns: torch.Tensor):
+    """Study only, the CPU step: the full-resolution ``columns`` hidden from every query (-inf in the additive mask)."""
+    from sekv_core.sekv import cpu_step
+
+    built = cpu_step.build_mask
+
+    def build(**kw):
+        m = built(**kw)
+        m[..., columns.to(m.device)] = float("-inf")
+        return m
+
+    cpu_step.build_mask = build
+    try:
+        yield
+    finally:
+        cpu_step.build_mask = built
+
+
+def ask_sekv(lm, mem, q_ids, pq, needles: list[tuple[int, int]], stop_ids, oracle: bool = False, layout: bool = True,
+             hide: bool = False) -> dict:
     """oracle: the other needles' blocks are ranked last (what a perfect look-alike test would do); layout: the
-    question re-positioned at the model's window - reserve (past the window), else at the document's end."""
+    question re-positioned at the model's window - reserve (past the window), else at the document's end; hide (study
+    only, CPU): the look-alikes held at full resolution (the end window) hidden from attention for this question."""
     res = mem.res
     bs, bl = res.block_start.cpu(), res.block_len.cpu()
     blocks = [((bs < n1) & (bs + bl > n0)).nonzero().flatten() for n0, n1 in needles]
@@ -69,7 +104,8 @@ def ask_sekv(lm, mem, q_ids, pq, needles: list[tuple[int, int]], stop_ids, oracl
     if layout:
         window = models.context_window(lm.config)
         mem.question_at(window - (len(q_ids) + pq.max_new_tokens), window)
-    with Probe() as p:
+    cols = hidden_columns(mem, pq.question) if hide else torch.zeros(0, dtype=torch.long)
+    with Probe() as p, hiding(cols):
         ans, _ = generate(lm.model, mem, q_ids, max_new_tokens=pq.max_new_tokens, stop_ids=stop_ids, question=pq.question)
     answer = lm.tokenizer.decode(ans, skip_special_tokens=True).strip()
     parts = p.parts
@@ -92,6 +128,8 @@ def ask_sekv(lm, mem, q_ids, pq, needles: list[tuple[int, int]], stop_ids, oracl
         out["zoomed_blocks_per_group"] = round(float(keep.sum(-1).mean()), 1)
     stats = mem.step_stats().extra
     out["positions"] = stats.get("positions")
+    if hide:
+        out["hidden_tokens"] = int(cols.numel())
     return out
 
 
@@ -180,7 +218,8 @@ def main() -> None:
                         kind, _, how = v.partition(":")
                         pack = "one" if kind.startswith("one") else "win"
                         mem = sekv.open(DictStore(dict(packs[pack])), parse_variant(params, how), shape, "cpu")
-                        c = ask_sekv(lm, mem, q_ids, pq, [needles[j] for j in order], stop_ids, "oracle" in how.split("+"), kind.endswith("@rp"))
+                        c = ask_sekv(lm, mem, q_ids, pq, [needles[j] for j in order], stop_ids, "oracle" in how.split("+"), kind.endswith("@rp"),
+                                     "hide" in how.split("+"))
                     w = which_needle(c["answer"], values)
                     c["answered"] = order.index(w) if w >= 0 else w  # 0: the asked needle, k: the k-th other
                     cells[v] = c
