@@ -170,6 +170,7 @@ def main() -> None:
     questions = tasks.parse_long_questions(tasks.long_questions_file().read_text(encoding="utf-8"))
     for q in questions:
         look = lex.lookalikes(q.question, starts)
+        res = lex.resident_lookalikes(q.question, starts)
         t0 = int(torch.searchsorted(offs, torch.tensor(q.offset)))
         t1 = int(torch.searchsorted(offs, torch.tensor(q.offset + len(q.evidence))))
         ev = (starts < t1) & (starts + lens > t0)
@@ -179,7 +180,8 @@ def main() -> None:
         n_ev = 0 if look is None else int(look[ev].sum())
         fired += n_look > 0
         demoted += n_ev > 0
-        print(f"Q{q.number:2d}  look-alike blocks {n_look:4d}  evidence blocks marked {n_ev}/{int(ev.sum())}  "
+        n_res = 0 if res is None else int(res.sum())
+        print(f"Q{q.number:2d}  look-alike blocks {n_look:4d}  full-resolution pieces {n_res}  evidence blocks marked {n_ev}/{int(ev.sum())}  "
               f"evidence's lexical rank {rank:3d}  | {q.question[:64]}")
     print(f"{n} blocks: the rule fires on {fired} of {len(questions)} questions and marks the evidence of {demoted}")
 
