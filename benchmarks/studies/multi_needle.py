@@ -153,10 +153,12 @@ def main() -> None:
     ap.add_argument("--haystack", default="/work/shared/data/haystack/pg_essays")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the model, the prefill and the opened memories; sekv "
+                    "asks through the reference step, sekv/cpu_step.py, on either, as benchmarks/studies/past_window.py)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    lm = models.load(a.model, device="cpu", dtype=getattr(torch, a.dtype) if a.dtype else None)
+    lm = models.load(a.model, device=a.device, dtype=getattr(torch, a.dtype) if a.dtype else None)
     tok = lm.tokenizer
     shape = ModelShape.of(lm.config, next(lm.model.parameters()).dtype)
     stop_ids = prompt.stop_token_ids(tok, getattr(lm.model, "generation_config", None))
@@ -210,14 +212,15 @@ def main() -> None:
                     if v == "rag":
                         rp = rag.resolve_params({"budget": a.budget})
                         made = rag.compress(PrefillResult.without_kv(torch.tensor(ids), shape, text_sc, lm), rp)
-                        mem = rag.open(DictStore({k: x.cpu() for k, x in made.items()}), rp, shape, "cpu")
+                        mem = rag.open(DictStore({k: x.cpu() for k, x in made.items()}), rp, shape, a.device)
                         ans, _ = generate(lm.model, mem, q_ids, max_new_tokens=pq.max_new_tokens, stop_ids=stop_ids, question=pq.question)
                         answer = tok.decode(ans, skip_special_tokens=True).strip()
                         c = {"answer": answer, "correct": bool(scoring.score(answer, pq)[0])}
                     else:
                         kind, _, how = v.partition(":")
                         pack = "one" if kind.startswith("one") else "win"
-                        mem = sekv.open(DictStore(dict(packs[pack])), parse_variant(params, how), shape, "cpu")
+                        mem = sekv.open(DictStore(dict(packs[pack])), parse_variant(params, how), shape, a.device)
+                        mem.batched = False  # the reference step (the probe and the study's hiding read it), on any device
                         c = ask_sekv(lm, mem, q_ids, pq, [needles[j] for j in order], stop_ids, "oracle" in how.split("+"), kind.endswith("@rp"),
                                      "hide" in how.split("+"))
                     w = which_needle(c["answer"], values)
@@ -234,7 +237,7 @@ def main() -> None:
             if out:
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps({"command": "python -m benchmarks.studies.multi_needle " + " ".join(sys.argv[1:]),
-                                           "model": a.model, "dtype": str(shape.dtype).removeprefix("torch."), "budget": a.budget,
+                                           "model": a.model, "dtype": str(shape.dtype).removeprefix("torch."), "device": a.device, "budget": a.budget,
                                            "params": a.param, "rows": rows}, indent=1))
     for v in variants:
         print(f"{v:28s} found {tally[v][0]}/{tally[v][1]}")
