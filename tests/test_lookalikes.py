@@ -118,6 +118,29 @@ def test_a_lookalike_in_the_end_window_is_found_among_the_full_resolution_pieces
     assert lexical.Lexicon(_terms(512, at), starts, lens).resident_lookalikes(Q, starts) is None
 
 
+def test_a_packs_end_window_is_where_resident_lookalikes_looks():
+    """Through an opened pack: the lexicon's full-resolution pieces are the pack's own runs (the end window), and another
+    archive's sentence there is marked for the asked archive's question, never for its own."""
+    _, _, _, _, store, p, mem, _ = _setup("qwen2", n=500, budget=0.3, min_span=10, window=32, zoom_unit=8)
+    full = mem.res.full_pos
+    assert bool((full >= 468).sum() == 32)  # the end window: the last 32 tokens at full resolution
+    bs = mem.res.block_start
+    asked = int(bs[mem.res.n_blocks // 3])
+    at: dict[int, str] = {}
+    _needle(at, asked, "halden")
+    _needle(at, 480, "kestrel")  # the document's last sentence
+    store["sekv.lex.terms"] = _terms(500, at)
+    m = methods.get("sekv").open(store, p, mem.res.shape, "cpu")
+    lex = m.res.lexicon
+    assert lex.run_start.tolist() == [468, 484] and lex.run_len.tolist() == [16, 16]
+    res = lex.resident_lookalikes(Q, m.res.block_start)
+    assert res is not None and res.tolist() == [True, True]
+    assert lex.resident_lookalikes(Q.replace("Halden", "Kestrel"), m.res.block_start) is None
+    # the blocks' rule cannot mark it: no block lies in the end window
+    look = lex.lookalikes(Q, m.res.block_start)
+    assert look is None or not bool((m.res.block_start[look] >= 468).any())
+
+
 def test_demote_moves_the_masked_blocks_after_every_other_keeping_their_order():
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
