@@ -82,6 +82,65 @@ def test_a_best_match_in_full_resolution_tokens_makes_every_block_sentence_a_loo
     assert lexical._runs(full, 16)[0].tolist() == [448, 464, 480, 496]
 
 
+def test_a_lookalike_in_the_end_window_is_found_among_the_full_resolution_pieces_not_the_blocks():
+    # the document's last sentence is another archive's (tokens 480..487, in the end window 448..511): the asked
+    # (Halden) sentence in block 5, a third archive's in block 20.  The blocks' rule marks block 20's passage only
+    # (the end window is no block: no ranking reaches it); the pieces' rule marks the end window's pieces within REACH
+    # of the look-alike's core pieces, the same test on the run pieces [448, 464, 480, 496] (windows +- WINDOW)
+    at: dict[int, str] = {}
+    _needle(at, 5 * 16 + 2, "halden")
+    _needle(at, 20 * 16 + 2, "morrow")
+    _needle(at, 480, "kestrel")
+    starts, lens = torch.arange(28) * 16, torch.full((28,), 16)
+    full = torch.cat([torch.tensor([0, 1, 2, 3]), torch.arange(448, 512)])
+    lex = lexical.Lexicon(_terms(512, at), starts, lens, full)
+    assert lex.lookalikes(Q, starts).nonzero().flatten().tolist() == [18, 19, 20, 21, 22]
+    # core pieces: 464 (window 456..487) and 480 (472..503) hold secret, passphrase and archive; 448 and 496 hold
+    # none but lie within REACH (32) of a core piece
+    assert lex.run_start.tolist() == [448, 464, 480, 496] and lex.run_len.tolist() == [16] * 4
+    assert lex.resident_lookalikes(Q, starts).tolist() == [True, True, True, True]
+    # asked for the end window's archive, the end window is the best match: none of its pieces is a look-alike,
+    # and both block sentences are
+    q2 = Q.replace("Halden", "Kestrel")
+    assert lex.resident_lookalikes(q2, starts) is None
+    assert lex.lookalikes(q2, starts).nonzero().flatten().tolist() == [3, 4, 5, 6, 7, 18, 19, 20, 21, 22]
+    # a run piece is never a look-alike when it holds the key, nor when it lies within NEAR of the best match
+    at2 = dict(at)
+    for i in range(480, 488):
+        at2.pop(i, None)
+    _needle(at2, 440, "halden")  # the asked sentence right before the end window: the end window is its neighbour
+    for i in range(5 * 16 + 2, 5 * 16 + 10):
+        at2.pop(i, None)
+    _needle(at2, 496, "kestrel")
+    lex2 = lexical.Lexicon(_terms(512, at2), starts, lens, full)
+    assert lex2.resident_lookalikes(Q, starts) is None  # 496 is 56 tokens from 440 (NEAR 64)
+    # no full-resolution runs: nothing to mark
+    assert lexical.Lexicon(_terms(512, at), starts, lens).resident_lookalikes(Q, starts) is None
+
+
+def test_a_packs_end_window_is_where_resident_lookalikes_looks():
+    """Through an opened pack: the lexicon's full-resolution pieces are the pack's own runs (the end window), and another
+    archive's sentence there is marked for the asked archive's question, never for its own."""
+    _, _, _, _, store, p, mem, _ = _setup("qwen2", n=500, budget=0.3, min_span=10, window=32, zoom_unit=8)
+    full = mem.res.full_pos
+    assert bool((full >= 468).sum() == 32)  # the end window: the last 32 tokens at full resolution
+    bs = mem.res.block_start
+    asked = int(bs[mem.res.n_blocks // 3])
+    at: dict[int, str] = {}
+    _needle(at, asked, "halden")
+    _needle(at, 480, "kestrel")  # the document's last sentence
+    store["sekv.lex.terms"] = _terms(500, at)
+    m = methods.get("sekv").open(store, p, mem.res.shape, "cpu")
+    lex = m.res.lexicon
+    assert lex.run_start.tolist() == [468, 484] and lex.run_len.tolist() == [16, 16]
+    res = lex.resident_lookalikes(Q, m.res.block_start)
+    assert res is not None and res.tolist() == [True, True]
+    assert lex.resident_lookalikes(Q.replace("Halden", "Kestrel"), m.res.block_start) is None
+    # the blocks' rule cannot mark it: no block lies in the end window
+    look = lex.lookalikes(Q, m.res.block_start)
+    assert look is None or not bool((m.res.block_start[look] >= 468).any())
+
+
 def test_demote_moves_the_masked_blocks_after_every_other_keeping_their_order():
     g = torch.Generator().manual_seed(0)
     for _ in range(20):

@@ -14,7 +14,9 @@ does for one needle) and records, per question and variant:
 
 Variants: ``win@rp`` (the default ask past the window), ``one`` (one prefill, read at the document's own positions:
 the path within the window), ``one@rp`` (that pack re-positioned), ``win@rp:KEY=VALUE+KEY=VALUE`` (ask-time sekv parameters), ``win@rp:oracle``
-(study only: the other needles' blocks ranked last, as a perfect look-alike test would), ``rag``.
+(study only: the other needles' blocks ranked last, as a perfect look-alike test would), ``win@rp:hide`` (study only,
+the CPU step: the look-alikes held at full resolution, in the end window, hidden from attention for the question:
+``Lexicon.resident_lookalikes``), ``rag``.
 
     python -m benchmarks.studies.multi_needle --length 8192 --window 2048 --depths 0,50,100 --seeds 0 \\
         --variants win@rp,rag --cache /tmp/mn --out docs/bench/multi-needle-8k-qwen2.5-0.5b.json
@@ -23,6 +25,7 @@ the path within the window), ``one@rp`` (that pack re-positioned), ``win@rp:KEY=
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -49,15 +52,47 @@ def parse_variant(params, how: str):
     """``KEY=VALUE+KEY=VALUE`` -> params with those ask-time values (``oracle``: study only, see ask_sekv)."""
     for opt in filter(None, how.split("+")):
         k, eq, val = opt.partition("=")
-        if k == "oracle":
+        if k in ("oracle", "hide"):
             continue
         params = params.replace(reposition=k) if not eq else params.replace(**{k: type(getattr(params, k))(_value(val))})
     return params
 
 
-def ask_sekv(lm, mem, q_ids, pq, needles: list[tuple[int, int]], stop_ids, oracle: bool = False, layout: bool = True) -> dict:
+def hidden_columns(mem, question: str) -> torch.Tensor:
+    """The full-resolution columns of the look-alikes no ranking reaches (``Lexicon.resident_lookalikes``: pieces of the
+    end window, the sinks), as indices into the pack's full-resolution tokens."""
+    res = mem.res
+    marked = res.lexicon.resident_lookalikes(question, res.block_start) if res.lexicon is not None else None
+    if marked is None:
+        return torch.zeros(0, dtype=torch.long)
+    pos = torch.cat([torch.arange(s, s + n) for s, n in zip(res.lexicon.run_start[marked].tolist(), res.lexicon.run_len[marked].tolist())])
+    return torch.isin(res.full_pos.cpu(), pos).nonzero().flatten()
+
+
+@contextlib.contextmanager
+def hiding(columns: torch.Tensor):
+    """Study only, the CPU step: the full-resolution ``columns`` hidden from every query (-inf in the additive mask)."""
+    from sekv_core.sekv import cpu_step
+
+    built = cpu_step.build_mask
+
+    def build(**kw):
+        m = built(**kw)
+        m[..., columns.to(m.device)] = float("-inf")
+        return m
+
+    cpu_step.build_mask = build
+    try:
+        yield
+    finally:
+        cpu_step.build_mask = built
+
+
+def ask_sekv(lm, mem, q_ids, pq, needles: list[tuple[int, int]], stop_ids, oracle: bool = False, layout: bool = True,
+             hide: bool = False) -> dict:
     """oracle: the other needles' blocks are ranked last (what a perfect look-alike test would do); layout: the
-    question re-positioned at the model's window - reserve (past the window), else at the document's end."""
+    question re-positioned at the model's window - reserve (past the window), else at the document's end; hide (study
+    only, CPU): the look-alikes held at full resolution (the end window) hidden from attention for this question."""
     res = mem.res
     bs, bl = res.block_start.cpu(), res.block_len.cpu()
     blocks = [((bs < n1) & (bs + bl > n0)).nonzero().flatten() for n0, n1 in needles]
@@ -69,7 +104,8 @@ def ask_sekv(lm, mem, q_ids, pq, needles: list[tuple[int, int]], stop_ids, oracl
     if layout:
         window = models.context_window(lm.config)
         mem.question_at(window - (len(q_ids) + pq.max_new_tokens), window)
-    with Probe() as p:
+    cols = hidden_columns(mem, pq.question) if hide else torch.zeros(0, dtype=torch.long)
+    with Probe() as p, hiding(cols):
         ans, _ = generate(lm.model, mem, q_ids, max_new_tokens=pq.max_new_tokens, stop_ids=stop_ids, question=pq.question)
     answer = lm.tokenizer.decode(ans, skip_special_tokens=True).strip()
     parts = p.parts
@@ -92,6 +128,8 @@ def ask_sekv(lm, mem, q_ids, pq, needles: list[tuple[int, int]], stop_ids, oracl
         out["zoomed_blocks_per_group"] = round(float(keep.sum(-1).mean()), 1)
     stats = mem.step_stats().extra
     out["positions"] = stats.get("positions")
+    if hide:
+        out["hidden_tokens"] = int(cols.numel())
     return out
 
 
@@ -115,10 +153,12 @@ def main() -> None:
     ap.add_argument("--haystack", default="/work/shared/data/haystack/pg_essays")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the model, the prefill and the opened memories; sekv "
+                    "asks through the reference step, sekv/cpu_step.py, on either, as benchmarks/studies/past_window.py)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    lm = models.load(a.model, device="cpu", dtype=getattr(torch, a.dtype) if a.dtype else None)
+    lm = models.load(a.model, device=a.device, dtype=getattr(torch, a.dtype) if a.dtype else None)
     tok = lm.tokenizer
     shape = ModelShape.of(lm.config, next(lm.model.parameters()).dtype)
     stop_ids = prompt.stop_token_ids(tok, getattr(lm.model, "generation_config", None))
@@ -172,15 +212,17 @@ def main() -> None:
                     if v == "rag":
                         rp = rag.resolve_params({"budget": a.budget})
                         made = rag.compress(PrefillResult.without_kv(torch.tensor(ids), shape, text_sc, lm), rp)
-                        mem = rag.open(DictStore({k: x.cpu() for k, x in made.items()}), rp, shape, "cpu")
+                        mem = rag.open(DictStore({k: x.cpu() for k, x in made.items()}), rp, shape, a.device)
                         ans, _ = generate(lm.model, mem, q_ids, max_new_tokens=pq.max_new_tokens, stop_ids=stop_ids, question=pq.question)
                         answer = tok.decode(ans, skip_special_tokens=True).strip()
                         c = {"answer": answer, "correct": bool(scoring.score(answer, pq)[0])}
                     else:
                         kind, _, how = v.partition(":")
                         pack = "one" if kind.startswith("one") else "win"
-                        mem = sekv.open(DictStore(dict(packs[pack])), parse_variant(params, how), shape, "cpu")
-                        c = ask_sekv(lm, mem, q_ids, pq, [needles[j] for j in order], stop_ids, "oracle" in how.split("+"), kind.endswith("@rp"))
+                        mem = sekv.open(DictStore(dict(packs[pack])), parse_variant(params, how), shape, a.device)
+                        mem.batched = False  # the reference step (the probe and the study's hiding read it), on any device
+                        c = ask_sekv(lm, mem, q_ids, pq, [needles[j] for j in order], stop_ids, "oracle" in how.split("+"), kind.endswith("@rp"),
+                                     "hide" in how.split("+"))
                     w = which_needle(c["answer"], values)
                     c["answered"] = order.index(w) if w >= 0 else w  # 0: the asked needle, k: the k-th other
                     cells[v] = c
@@ -195,7 +237,7 @@ def main() -> None:
             if out:
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps({"command": "python -m benchmarks.studies.multi_needle " + " ".join(sys.argv[1:]),
-                                           "model": a.model, "dtype": str(shape.dtype).removeprefix("torch."), "budget": a.budget,
+                                           "model": a.model, "dtype": str(shape.dtype).removeprefix("torch."), "device": a.device, "budget": a.budget,
                                            "params": a.param, "rows": rows}, indent=1))
     for v in variants:
         print(f"{v:28s} found {tally[v][0]}/{tally[v][1]}")

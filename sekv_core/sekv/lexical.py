@@ -15,7 +15,9 @@ Look-alikes (:meth:`Lexicon.lookalikes`): passages that share most of the questi
 lack its most specific one (another archive's passphrase sentence when one archive is asked).  With ``lookalikes="demote"``
 (sekv/params.py) the scout ranks them after every other block (:func:`demote`), so at a small budget they keep their
 coarse entries and anchors but are not zoomed, and the model does not read the look-alike's value at full
-resolution next to the asked one (docs/long-documents.md, "Four needles").
+resolution next to the asked one (docs/long-documents.md, "Four needles").  A look-alike held at full resolution
+(the document's last sentence, in the end window) is out of any ranking's reach: :meth:`Lexicon.resident_lookalikes`
+finds those, by the same test, for a step that would hide them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from __future__ import annotations
 import math
 import re
 import zlib
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -105,10 +109,10 @@ class Lexicon:
         terms = terms.long()
         self.n_blocks = int(block_start.numel())
         self.block_terms = _window_terms(terms, block_start, block_len)
-        self.run_start, self.run_terms = torch.zeros(0, dtype=torch.long), []
+        self.run_start, self.run_len, self.run_terms = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), []
         if full_pos is not None and full_pos.numel():
             rs, rl = _runs(full_pos.long().cpu(), RUN)
-            self.run_start, self.run_terms = rs, _window_terms(terms, rs, rl)
+            self.run_start, self.run_len, self.run_terms = rs, rl, _window_terms(terms, rs, rl)
         df: dict[int, int] = {}
         for ts in self.block_terms:
             for t in ts:
@@ -137,6 +141,19 @@ class Lexicon:
         passage).  The blocks within ``reach`` tokens of a look-alike (its sentence's other words, its value) are
         marked with it, unless they are that near a block holding all of T.  None when there is none: no question
         term in the document, a best match of one term, no look-alike."""
+        m = self._best_match(question, block_start)
+        return None if m is None else m.mark(m.hits, block_start.long().cpu(), near, share, reach)
+
+    def resident_lookalikes(self, question: str, block_start: torch.Tensor, near: int = NEAR, share: float = LOOKALIKE_SHARE,
+                            reach: int = REACH) -> torch.Tensor | None:
+        """[R] bool over the pieces of the full-resolution runs (``run_start`` / ``run_len``: the end window, the
+        sinks): the look-alikes :meth:`lookalikes` finds there, by the same test.  No ranking reaches them (they are
+        resident at full resolution whatever the budget), so :func:`demote` cannot; the document's last sentence
+        being another archive's passphrase is such a case (docs/long-documents.md, "Four needles")."""
+        m = self._best_match(question, block_start)
+        return None if m is None or not self.run_terms else m.mark(m.run_hits, self.run_start, near, share, reach)
+
+    def _best_match(self, question: str, block_start: torch.Tensor) -> "_Match | None":
         q = text_terms(question)
         if not q or not self.block_terms:
             return None
@@ -150,18 +167,36 @@ class Lexicon:
         if len(top) < 2:
             return None
         key = max(top, key=lambda t: (idf(t), t))
-        top_mass = mass[best]
+        starts = block_start.long().cpu()
+        whole = torch.cat([starts[torch.tensor([h >= top for h in hits], dtype=torch.bool)],
+                           self.run_start[torch.tensor([h >= top for h in run_hits], dtype=torch.bool)]])
+        return _Match(top, key, mass[best], idf, hits, run_hits, whole)
+
+
+@dataclass
+class _Match:
+    """A question's best match (its terms ``top``, the ``key`` term, their idf ``mass``), the question's terms in every
+    block (``hits``) and run piece (``run_hits``), and the starts of the blocks and pieces holding all of ``top``."""
+
+    top: set[int]
+    key: int
+    mass: float
+    idf: Callable[[int], float]
+    hits: list[set[int]]
+    run_hits: list[set[int]]
+    whole: torch.Tensor
+
+    def mark(self, hits: list[set[int]], starts: torch.Tensor, near: int, share: float, reach: int) -> torch.Tensor | None:
+        """[len(hits)] bool: the look-alikes among passages starting at ``starts`` with question terms ``hits``, and
+        the passages within ``reach`` of one (Lexicon.lookalikes); None: none."""
         cand = []
         for h in hits:
-            part = h & top
-            cand.append(key not in h and len(part) >= 2 and sum(idf(t) for t in part) >= share * top_mass)
-        cand = torch.tensor(cand)
+            part = h & self.top
+            cand.append(self.key not in h and len(part) >= 2 and sum(self.idf(t) for t in part) >= share * self.mass)
+        cand = torch.tensor(cand, dtype=torch.bool)
         if not bool(cand.any()):
             return None
-        starts = block_start.long().cpu()
-        whole = torch.cat([starts[torch.tensor([h >= top for h in hits])],
-                           self.run_start[torch.tensor([h >= top for h in run_hits], dtype=torch.bool)]])
-        far = (starts.view(-1, 1) - whole.view(1, -1)).abs().amin(1) > near
+        far = (starts.view(-1, 1) - self.whole.view(1, -1)).abs().amin(1) > near
         core = starts[cand & far]
         if not core.numel():
             return None
