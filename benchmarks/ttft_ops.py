@@ -127,15 +127,12 @@ class OpCount(torch.utils._python_dispatch.TorchDispatchMode):
         self.ops: collections.Counter = collections.Counter()
         self.views: collections.Counter = collections.Counter()
         self.sites: collections.Counter = collections.Counter()
-        self.muted = False  # inside a replayed graph (--graphs): its ops are one launch, counted by the replay
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         import sys
 
         name = "aten::" + func._schema.name.split("::")[-1]
-        if self.muted:
-            pass
-        elif name in VIEWS or func.is_view:
+        if name in VIEWS or func.is_view:
             self.views[name] += 1
         else:
             self.ops[name] += 1
@@ -190,8 +187,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--by-function", action="store_true", help="attribute the calls to the sekv function making them (slower)")
     ap.add_argument("--syncs", action="store_true", help="list the calls that would wait for the device on CUDA, by sekv line")
     ap.add_argument("--ops", action="store_true", help="count the aten ops below autograd (the launch proxy), by name and sekv line")
-    ap.add_argument("--graphs", action="store_true", help="with --ops: the scout's scoring chunks through their fixed-input graph "
-                    "path (sekv/scout_graphs.py) as on CUDA, each replay counted as one launch (its body's ops not counted)")
     ap.add_argument("--scout-chunk-bytes", type=int, default=None, help="SCOUT_CHUNK_BYTES (small: the chunking of a long context)")
     a = ap.parse_args(argv)
     stack = a.by_function
@@ -203,33 +198,13 @@ def main(argv: list[str] | None = None) -> int:
 
         mem.batched = True  # the accelerator's step, run on the CPU
         zoom_tier.STAGED_ON = {"cpu", "cuda"}  # and the zoom tier's rows staged as there (sekv/zoom_tier.py StagedRows)
-    from sekv_core.sekv import gpu_step, scout_graphs
+    from sekv_core.sekv import gpu_step
+
+    gpu_step.SCOUT_STAGING = True  # the scout's blocks in host memory streamed a chunk at a time, as on CUDA (ScoutRows)
 
     if a.scout_chunk_bytes:
         gpu_step.SCOUT_CHUNK_BYTES = a.scout_chunk_bytes
     live: list = []  # the OpCount in use
-    if a.graphs:
-        gpu_step.SCOUT_GRAPHS_ON_CPU = True
-        fixed = scout_graphs.ChunkGraphs._fixed
-
-        def replayed(self, body):
-            """The pass's first chunk: eager.  A layer's first replayed chunk: its capture (its ops' launches made once
-            on the host, counted) and a replay; the others: one replay each (their ops not counted)."""
-            w = live[-1] if live else None
-            seen = self.__dict__.setdefault("_captured", set())
-            if w is None or self.replays == 0:
-                return fixed(self, body)
-            w.ops["cudaGraphLaunch"] += 1
-            if self.layer not in seen:
-                seen.add(self.layer)
-                return fixed(self, body)
-            w.muted = True
-            try:
-                return fixed(self, body)
-            finally:
-                w.muted = False
-
-        scout_graphs.ChunkGraphs._fixed = replayed
     results = []
     for k in range(a.asks):
         phases: dict[str, dict] = {}

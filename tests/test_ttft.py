@@ -184,26 +184,65 @@ def _scout_args(device: str):
     return mem, got["args"]
 
 
+def _block_masses_reference(mem, qs, others, scaling) -> torch.Tensor:
+    """Every layer's zoom-block masses from its factor blocks, one block at a time in float64: the keys rebuilt from
+    both sides' factors (blocks.unpack), rotated to their document positions (rope.cos_sin), the block's logsumexp
+    over its own rows, its mass the max over groups and queries of exp(lse - the logsumexp over every block and the
+    exact keys) -> [L, n_blocks]."""
+    from sekv_core.sekv import blocks as fb
+    from sekv_core.sekv import rope
+
+    r, st = mem.res, mem.step
+    S = r.n_spans
+    out = []
+    for layer, b in enumerate(st.blocks):
+        us, vt = fb.unpack(b, b.words.view(-1, b.stride).cpu(), torch.float64)
+        keys = torch.matmul(us[:, 0], vt[:, 0])  # [Hkv * S, n_max, d]
+        q, other = qs[layer].double().cpu(), others[layer].double().cpu()
+        lse = torch.empty(st.hkv, r.n_blocks, q.shape[1], dtype=torch.float64)
+        for e in range(r.n_blocks):
+            i, j0, n = int(r.block_span[e]), int(r.block_off[e]), int(r.block_len[e])
+            pos = int(r.span_start[i]) + j0 + torch.arange(n)
+            cos, sin = rope.cos_sin(pos, r.inv_freq.cpu(), r.rope_scaling)
+            for g in range(st.hkv):
+                k = rope.apply(keys[g * S + i, j0 : j0 + n], cos.double(), sin.double()) if r.pre_rope else keys[g * S + i, j0 : j0 + n]
+                lse[g, e] = torch.logsumexp(q[g] @ k.t() * scaling, dim=-1)
+        total = torch.logsumexp(torch.cat([lse, other.unsqueeze(1)], 1), 1)  # [Hkv, M]
+        out.append(torch.exp(lse - total.unsqueeze(1)).amax(-1).amax(0))
+    return torch.stack(out)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
-def test_scout_chunk_graphs_give_the_eager_chunks_masses(device, monkeypatch):
-    """A layer's full scoring chunks through one graph with fixed inputs (sekv/scout_graphs.py; on the CPU the same
-    fixed-input body, eagerly) give the eager loop's masses bit for bit, the pass's shorter chunks eager."""
-    from sekv_core.sekv import gpu_step, scout_graphs
+def test_scout_chunks_of_every_group_give_the_blocks_own_masses(device, monkeypatch):
+    """The scout's scoring in chunks of spans of every KV group (both layers in one; a layer in one; runs of a few
+    spans, the last one shorter; one span), its blocks streamed (group runs copied one by one, or through the
+    blocks' mapped view in one strided copy: on the CPU, emulated) or read in place, gives each zoom block's mass
+    computed from the blocks' own factors one block at a time (float64)."""
+    from sekv_core.sekv import gpu_step
 
     mem, args = _scout_args(device)
-    st = mem.step
-    monkeypatch.setattr(gpu_step.BatchedStep, "_scout_chunk", lambda self, n_pairs, per_pair: (7, 1))  # many chunks a layer
-    monkeypatch.setattr(scout_graphs, "MIN_CHUNKS", 10**9)
-    eager = st.scout_masses(*args)
-    assert st.scout_replays == 0
-    monkeypatch.setattr(scout_graphs, "MIN_CHUNKS", 2)
-    monkeypatch.setattr(scout_graphs, "CAPTURE", True)
-    monkeypatch.setattr(gpu_step, "SCOUT_GRAPHS_ON_CPU", True)
-    graphed = st.scout_masses(*args)
-    n_pairs = st.hkv * mem.res.n_spans
-    assert st.scout_replays == st.L * (n_pairs // 7) - 1 and scout_graphs.CAPTURE  # every full chunk but the pass's first
-    assert torch.equal(graphed, eager)
-    assert torch.equal(st.scout_masses(*args), eager)  # and again (a second question's pass)
+    st, S = mem.step, mem.res.n_spans
+    ref = _block_masses_reference(mem, *args)
+    assert S % 4 and S > 8 and st.hkv > 1  # runs of 4 spans: the last one shorter
+    seen = []
+    real_jobs = gpu_step.BatchedStep._scout_jobs
+    monkeypatch.setattr(gpu_step.BatchedStep, "_scout_jobs", lambda self, *a: seen.append(real_jobs(self, *a)) or seen[-1])
+    cases = [((10**6, 2), None, False), ((st.hkv * S, 1), True, False), ((4 * st.hkv, 1), True, False), ((4 * st.hkv, 1), False, False),
+             ((st.hkv, 1), True, False)]
+    if device == "cpu":
+        cases.append(((4 * st.hkv, 1), True, True))
+    uva = [b.uva for b in st.blocks]
+    for (pairs, layers), staging, mapped in cases:
+        monkeypatch.setattr(gpu_step.BatchedStep, "_scout_chunk", lambda self, n_pairs, per_pair, _c=(pairs, layers): _c)
+        monkeypatch.setattr(gpu_step, "SCOUT_STAGING", staging)
+        for b, u in zip(st.blocks, uva):
+            b.uva = mapped or u
+        got = st.scout_masses(*args)
+        assert torch.allclose(got.double().cpu(), ref, atol=1e-5, rtol=1e-4), (pairs, staging, mapped, (got.double().cpu() - ref).abs().max())
+    for b, u in zip(st.blocks, uva):
+        b.uva = u
+    assert [len(j) for j in seen] == [1, 2, 2 * -(-S // 4), 2 * -(-S // 4), 2 * S] + ([2 * -(-S // 4)] if device == "cpu" else [])
+    assert seen[2][-1][1:] == (S - S % 4, S) and all(j[0] == [0, 1] for j in seen[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -222,11 +261,10 @@ def test_scout_rotation_table_in_16_bits_holds_the_rotation_exactly(dtype):
 @pytest.mark.parametrize("tier", ["factors", "int8"])
 def test_rehearsal_on_the_first_layer_runs_the_question_way_and_keeps_nothing(tier, monkeypatch):
     """rehearse_layer (what the factor blocks' thread runs on CUDA while the model loads) takes the question's way on
-    the pack's first layers, for each of its question lengths: the scout pass (its scoring in graph chunks where a
-    layer makes several), the fixed sets' fill, the first forward; then a single-token step, eager and static, on the
-    accelerators' step; the pack's own memory, opened after it with the same blocks, answers as one opened without
-    it."""
-    from sekv_core.sekv import gpu_step, memory, scout_graphs, zoom_tier
+    the pack's first layers, for each of its question lengths: the scout pass (its scoring in several chunks), the
+    fixed sets' fill, the first forward; then a single-token step, eager and static, on the accelerators' step; the
+    pack's own memory, opened after it with the same blocks, answers as one opened without it."""
+    from sekv_core.sekv import gpu_step, memory, zoom_tier
     from test_sekv_method import _setup
 
     monkeypatch.setattr(zoom_tier, "STAGED_ON", {"cpu", "cuda"})
@@ -243,18 +281,15 @@ def test_rehearsal_on_the_first_layer_runs_the_question_way_and_keeps_nothing(ti
         monkeypatch.setattr(memory.ZoomMemory, name, spy)
     from sekv_core.sekv import fixed_set
 
-    fills, replays = [], []
-    real_fill, real_run = fixed_set.FixedSets._fill, scout_graphs.ChunkGraphs.run
+    fills = []
+    real_fill = fixed_set.FixedSets._fill
     monkeypatch.setattr(fixed_set.FixedSets, "_fill", lambda self, r, layer, plan: fills.append(layer) or real_fill(self, r, layer, plan))
-    monkeypatch.setattr(scout_graphs.ChunkGraphs, "run", lambda self, *a: replays.append(a[0]) or real_run(self, *a))
     monkeypatch.setattr(gpu_step.BatchedStep, "_scout_chunk", lambda self, n_pairs, per_pair: (7, 1))  # several chunks
-    monkeypatch.setattr(scout_graphs, "MIN_CHUNKS", 2)
-    monkeypatch.setattr(gpu_step, "SCOUT_GRAPHS_ON_CPU", True)
     s = memory.rehearse_layer(store, p, res.shape, "cpu", blocks, batched=True)
     n, k = min(memory.REHEARSAL_LAYERS, res.shape.n_layers), len(memory.REHEARSAL_TOKENS)
     assert n >= 2 and k >= 2  # several layers' stacks and views; a second length
     assert s > 0 and calls["prepare_question"] == [n] * k and set(calls["_step"]) == {n} and calls["static_begin"] == [n]
-    assert fills == list(range(n)) * k and set(replays) == set(range(n))
+    assert fills == list(range(n)) * k
     monkeypatch.undo()
     q = torch.tensor([[5, 17, 42, 99, 7, 250, 31, 8]])
     from sekv_core import runtime

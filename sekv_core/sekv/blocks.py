@@ -323,8 +323,9 @@ def gather(b: Blocks, pair: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     return rows.view(-1, b.stride)
 
 
-def unpack(b: Blocks, rows: torch.Tensor, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fetched rows -> dequantised (U*sigma [P, 2, n_max, r_max], Vt [P, 2, r_max, d]) in ``dtype``.
+def unpack(b: Blocks, rows: torch.Tensor, dtype=torch.float32, side: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fetched rows -> dequantised (U*sigma [P, 2, n_max, r_max], Vt [P, 2, r_max, d]) in ``dtype``; ``side`` 0
+    (K) or 1 (V): that side's alone, (U*sigma [P, n_max, r_max], Vt [P, r_max, d]), the other not converted.
 
     Rows of U*sigma past a block's own length hold whatever the fetch repeated there (not zero): callers
     discard them.
@@ -334,6 +335,13 @@ def unpack(b: Blocks, rows: torch.Tensor, dtype=torch.float32) -> tuple[torch.Te
     es = dt.itemsize
     oa, ob, oc, od = b.sections
     by = rows.view(torch.uint8)
+    if side is not None:  # the scales multiply in place in float32 (a half-precision factor: the same values as a copy)
+        vt = by[:, oa : oa + 2 * rm * d * es].view(dt).reshape(p, 2, rm, d)[:, side].to(dtype)
+        us = by[:, od : od + nm * 2 * rm * es].view(dt).reshape(p, nm, 2, rm)[:, :, side].to(dtype)
+        if b.int8:
+            vt.mul_(by[:, ob : ob + 2 * rm * 2].view(torch.float16).reshape(p, 2, rm, 1)[:, side])
+            us.mul_(by[:, oc : oc + nm * 2 * 2].view(torch.float16).reshape(p, nm, 2, 1)[:, :, side])
+        return us, vt
     vt = by[:, oa : oa + 2 * rm * d * es].view(dt).reshape(p, 2, rm, d).to(dtype)
     us = by[:, od : od + nm * 2 * rm * es].view(dt).reshape(p, nm, 2, rm).to(dtype)
     if b.int8:  # scaled in place: the int8 words were copied into new tensors just above (the same values as a product)

@@ -35,7 +35,6 @@ from .budget import ZoomLedger
 from .fixed_set import FixedSets
 from .residents import Residents
 from .scout import Ranking
-from .scout_graphs import ChunkGraphs
 
 
 #: the scout pass's chunk of rebuilt keys and logits, bytes per float32 work tensor: few launches, a bounded
@@ -593,11 +592,12 @@ class BatchedStep:
         layer's full-resolution keys [Hkv, M] (:meth:`scout_exact`) -> [L, n_blocks] (:func:`scout.block_masses` of
         each layer).
 
-        Nothing here depends on the previous layer, so layers are batched: a chunk of layers (or of one layer's
-        (group, span) factor blocks, at long contexts) is rebuilt, rotated and scored together, its float32 work
-        tensors near SCOUT_CHUNK_BYTES each (at most three of them alive); blocks in host memory are streamed a chunk
-        at a time (ScoutRows).  The per-layer work is only the view of its blocks and their dequantisation (each layer
-        has its own ranks); rotation tables, logits, the segmented logsumexp and the masses run once per chunk.  On a
+        Nothing here depends on the previous layer, so layers are batched: a chunk of layers (or a run of one layer's
+        spans of every KV group, at long contexts) is rebuilt, rotated and scored together, its float32 work tensors
+        near SCOUT_CHUNK_BYTES each (at most two of them alive: the keys and their rotation's two half-size products,
+        or the keys and the logits); blocks in host memory are streamed a chunk at a time (ScoutRows).  The per-layer
+        work is only the view of its blocks and their keys' dequantisation (each layer has its own ranks); rotation,
+        logits, the segmented logsumexp and the masses run once per chunk.  On a
         model placed across devices the layers of each device are scored together there, and their masses ([layers,
         n_blocks] a device) gathered on the ranking's device: no host sync."""
         if not self.res.split:
@@ -612,42 +612,32 @@ class BatchedStep:
         return out
 
     def _scout_masses(self, r: Residents, ids: list[int], qs: list[torch.Tensor], others: list[torch.Tensor], scaling: float) -> torch.Tensor:
-        """:meth:`scout_masses` of the layers ``ids`` (on r's device; qs / others theirs, in order) -> [len(ids), n_blocks]."""
-        S, L = r.n_spans, len(ids)
+        """:meth:`scout_masses` of the layers ``ids`` (on r's device; qs / others theirs, in order) -> [len(ids), n_blocks].
+
+        A chunk is a run of spans i0..i1-1 of every KV group of one or more layers (:meth:`_scout_jobs`), so that
+        every table it reads is a slice (the queries of its layers, each row's rotation, block and end): nothing is
+        gathered per chunk, the logits of all its groups are one batched product, and each chunk writes its part of
+        its layers' block logsumexps in place."""
+        S, L, hkv = r.n_spans, len(ids), self.hkv
         q_all = torch.stack(qs)  # [L, Hkv, M, d]
         other = torch.stack(others)  # [L, Hkv, M]
-        n_pairs, n_max = self.hkv * S, max(b.n_max for b in self.blocks)
-        pairs, n_layers = self._scout_chunk(n_pairs, 4 * n_max * max(self.d, q_all.shape[2], 2 * max(b.r_max for b in self.blocks)))
+        m, n_max = q_all.shape[2], max(b.n_max for b in self.blocks)
+        jobs = self._scout_jobs(ids, S, m, n_max)
         tables = dict(self._scout_tables(r, n_max))
         if r.pre_rope:  # every row's rotation once for the pass where it is small, else a chunk's at a time
             tables.update(self._scout_rotation(r, tables["pos"]))
-        jobs = [(ids[l0 : min(L, l0 + n_layers)], a, min(a + pairs, n_pairs)) for l0 in range(0, L, n_layers) for a in range(0, n_pairs, pairs)]
-        stream = ScoutRows(self.blocks, jobs, r.device)
-        # long contexts (a layer in several chunks): a layer's full chunks replayed as one captured graph (scout_graphs)
-        graphs = ChunkGraphs(r.device, pairs, S, n_pairs // pairs, force=SCOUT_GRAPHS_ON_CPU) if n_layers == 1 else None
-        out, parts = [], []
-        for k, (layers, a, e) in enumerate(jobs):
+        stream = ScoutRows(self.blocks, jobs, S, r.device)
+        out, lse = [], None
+        for k, (layers, i0, i1) in enumerate(jobs):
             l0 = ids.index(layers[0])
-            q, staged, part = q_all[l0 : l0 + len(layers)], stream.rows(k), None
-            if graphs is not None and graphs.fits(layers, a, e):
-                rows = staged.get(layers[0])
-                if rows is None:
-                    rows = self.blocks[layers[0]].src.view(-1, self.blocks[layers[0]].stride)[a:e].to(r.device, non_blocking=True)
-                part = graphs.run(layers[0], a, rows, lambda g, i, rows: self._scout_rows_lse(r, layers, q, g, i, scaling, tables, {layers[0]: rows}))
-            if part is None:
-                part = self._scout_lse(r, layers, q, a, e, scaling, tables, staged)
-            parts.append(part)
-            del staged
+            if i0 == 0:  # the layers' block logsumexps [Lc, Hkv, S, blocks per span, M], filled by their chunks
+                lse = torch.empty(len(layers), hkv, S, tables["per_span"], m, device=r.device)
+            self._scout_lse(r, layers, q_all[l0 : l0 + len(layers)], i0, i1, scaling, tables, stream.rows(k), lse[:, :, i0:i1])
             stream.done(k)
-            if e == n_pairs:  # the layer chunk's last pairs
-                lse = torch.cat(parts, dim=1)  # [Lc, Hkv * S, blocks per span, M]
-                parts = []
-                lse = lse.reshape(len(layers), self.hkv, -1, lse.shape[-1])  # [Lc, Hkv, S * blocks per span, M]
-                out.append(scout.block_masses(lse, other[l0 : l0 + len(layers)])[:, tables["block_row"]])
-        if graphs is not None:
-            graphs.drop()
-        self.scout_replays = graphs.replays if graphs is not None else 0
-        return torch.cat(out)
+            if i1 == S:  # the layers' last spans
+                out.append(scout.block_masses(lse.view(len(layers), hkv, -1, m), other[l0 : l0 + len(layers)])[:, tables["block_row"]])
+                lse = None
+        return torch.cat(out) if len(out) > 1 else out[0]
 
     def _scout_chunk(self, n_pairs: int, per_pair: int) -> tuple[int, int]:
         """(pairs, layers) per chunk of the scout's scoring: float32 work tensors near SCOUT_CHUNK_BYTES (at least as
@@ -655,55 +645,61 @@ class BatchedStep:
         pairs = max(self.P, 64, SCOUT_CHUNK_BYTES // max(per_pair, 1))
         return pairs, max(1, pairs // max(n_pairs, 1))
 
-    def _scout_lse(self, r: Residents, layers: list[int], q: torch.Tensor, a: int, e: int, scaling: float, t: dict,
-                   staged: dict) -> torch.Tensor:
-        """Logsumexps of the zoom blocks of the (group, span) pairs a..e-1 (flat g * S + i) for the layers' queries
-        q [Lc, Hkv, M, d] -> [Lc, e - a, blocks per span, M]; a span's rows past its blocks give -inf.  r: the pack on
-        the layers' device; staged: the layers' block rows a..e-1 already on it (ScoutRows), by layer."""
-        rows = dict(staged)
-        for layer in layers:  # every block of the range, in order: a view of the layer's blocks, no gather
-            if layer not in rows:
-                b = self.blocks[layer]
-                rows[layer] = b.src.view(-1, b.stride)[a:e].to(r.device, non_blocking=True)
-        del staged
-        return self._scout_rows_lse(r, layers, q, t["group_of"][a:e], t["span_of"][a:e], scaling, t, rows)
+    def _scout_jobs(self, ids: list[int], S: int, m: int, n_max: int) -> list[tuple[list[int], int, int]]:
+        """The scoring's chunks: (layers, i0, i1), spans i0..i1-1 of every KV group of the layers, about the pairs
+        :meth:`_scout_chunk` allows (whole layers where they fit, else a layer's spans in equal runs)."""
+        r_max = max(b.r_max for b in self.blocks)
+        pairs, n_layers = self._scout_chunk(self.hkv * S, 4 * n_max * max(self.d, m, 2 * r_max))
+        if n_layers > 1 or pairs >= self.hkv * S:
+            return [(ids[l0 : l0 + n_layers], 0, S) for l0 in range(0, len(ids), n_layers)]
+        runs = -(-S // max(1, pairs // self.hkv))
+        ns = -(-S // runs)
+        return [([layer], i0, min(S, i0 + ns)) for layer in ids for i0 in range(0, S, ns)]
 
-    def _scout_rows_lse(self, r: Residents, layers: list[int], q: torch.Tensor, g: torch.Tensor, i: torch.Tensor, scaling: float, t: dict,
-                        staged: dict) -> torch.Tensor:
-        """:meth:`_scout_lse` of the pairs of groups g and spans i ([P] each), their rows staged[layer] ([P, stride],
-        on r's device) -> [Lc, P, blocks per span, M]: nothing here depends on where the pairs are (a captured chunk
-        reads them from fixed buffers, sekv/scout_graphs.py)."""
+    def _scout_lse(self, r: Residents, layers: list[int], q: torch.Tensor, i0: int, i1: int, scaling: float, t: dict,
+                   staged: dict, out: torch.Tensor) -> None:
+        """Logsumexps of the zoom blocks of spans i0..i1-1 of every group, for the layers' queries q [Lc, Hkv, M, d],
+        written into out [Lc, Hkv, i1 - i0, blocks per span, M]; a span's rows past its blocks give -inf.  r: the pack
+        on the layers' device; staged: the layers' block rows of those spans already on it ([Hkv * (i1 - i0), stride],
+        ScoutRows), by layer; the others are read where they are."""
+        lc, hkv, ns = len(layers), self.hkv, i1 - i0
         n_max = t["row_block"].shape[1]
         ragged = any(self.blocks[layer].n_max != n_max for layer in layers)
-        keys = (torch.zeros if ragged else torch.empty)(len(layers), g.numel(), n_max, self.d, device=r.device)  # [Lc, P, n_max, d]
+        keys = (torch.zeros if ragged else torch.empty)(lc, hkv, ns, n_max, self.d, device=r.device)
+        flat = keys.view(lc, hkv * ns, n_max, self.d)  # the pairs in the blocks' order (group-major)
         for j, layer in enumerate(layers):
             b = self.blocks[layer]
-            rows = staged[layer]
-            us, vt = fb.unpack(b, rows, torch.float32)
+            rows = staged.get(layer)
+            if rows is None:  # a view of the layer's blocks of those spans (blocks on the device, or read in place)
+                rows = b.src.view(hkv, -1, b.stride)[:, i0:i1].to(r.device, non_blocking=True).reshape(hkv * ns, b.stride)
+            us, vt = fb.unpack(b, rows, torch.float32, side=0)  # the keys' factors only
             if ragged:
-                keys[j, :, : b.n_max] = torch.matmul(us[:, 0], vt[:, 0])
+                flat[j, :, : b.n_max] = torch.matmul(us, vt)
             else:
-                torch.matmul(us[:, 0], vt[:, 0], out=keys[j])  # rows past a span's n_i are masked below
-        del us, vt, rows, staged
+                torch.matmul(us, vt, out=flat[j])  # rows past a span's n_i are masked below
+            del us, vt, rows
+        del staged, flat
         if r.pre_rope:  # each row at its token's position (re-positioned: where its block sits zoomed alone)
             if "cos_sin" in t:
-                cos, sin = t["cos_sin"][:, i].float()  # [P, n_max, d / 2] each: one gather (a no-op .float() in float32)
+                cos, sin = t["cos_sin"][:, i0:i1]  # [ns, n_max, d / 2] each, every group's (16-bit: exact as float32)
             else:
-                pos = t["pos"][i]
+                pos = t["pos"][i0:i1]
                 cos, sin = (x.view(*pos.shape, -1) for x in rope.cos_sin_half(pos.flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype))
             rope.apply_half_(keys, cos, sin)  # in place: rope.apply's values, at most one more chunk-sized tensor alive
             del cos, sin
-        logits = torch.matmul(q[:, g], keys.transpose(-1, -2)).mul_(scaling)  # [Lc, P, M, n_max]: the chunk's one big tensor,
+        # [Lc, Hkv, ns * n_max, M]: one product for every group (no query gathered), the chunk's one big tensor
+        made = torch.matmul(keys.view(lc, hkv, ns * n_max, self.d), q.transpose(-1, -2)).mul_(scaling)
         del keys  # worked in place from here
-        logits.masked_fill_(t["past"][i].unsqueeze(1), float("-inf"))  # rows past each span's end
+        logits = made.view(lc, hkv, ns, n_max, -1).masked_fill_(t["past"][i0:i1].unsqueeze(-1), float("-inf"))  # rows past each span's end
         if r.whole_spans:
-            return torch.logsumexp(logits, dim=-1).unsqueeze(2)  # [Lc, P, 1, M]
+            torch.logsumexp(logits, dim=3, keepdim=True, out=out)
+            return
         # one segmented logsumexp: each row's exp (against its pair's max: every pair has a row) summed into its
         # block of the span; rows past the span are exp(-inf) = 0 (summed into block 0)
-        mx = logits.amax(-1, keepdim=True)  # [Lc, P, M, 1]
+        mx = logits.amax(3, keepdim=True)  # [Lc, Hkv, ns, 1, M]
         ex = logits.sub_(mx).exp_()
-        sums = torch.zeros(*ex.shape[:3], t["per_span"], device=r.device).scatter_add_(3, t["row_block0"][i].unsqueeze(1).expand_as(ex), ex)
-        return (sums.log() + mx).transpose(2, 3)  # [Lc, P, per_span, M]; a span's missing blocks: log 0 = -inf
+        sums = torch.zeros_like(out).scatter_add_(3, t["row_block0"][i0:i1].unsqueeze(-1).expand_as(ex), ex)
+        torch.add(sums.log_(), mx, out=out)  # a span's missing blocks: log 0 = -inf
 
     def _scout_tables(self, r: Residents, n_max: int) -> dict:
         """What the scout's scoring reads and no question changes, computed once: each row's block within its span
@@ -722,11 +718,9 @@ class BatchedStep:
             bs = r.block_span_dev
             block_row = bs * per_span + (torch.arange(r.n_blocks, device=r.device) - first[bs])
         row_block = torch.nn.functional.pad(row_block, (0, n_max - row_block.shape[1]), value=-1)
-        # per chunk only gathers of these: each row's block (0 past the span: its exp is 0), the rows past the span,
-        # each (group, span) pair's group and span
-        pair = torch.arange(self.hkv * r.n_spans, device=r.device)
+        # a chunk reads slices of these: each row's block (0 past the span: its exp is 0), the rows past the span
         t = {"key": key, "row_block": row_block, "per_span": per_span, "block_row": block_row, "row_block0": row_block.clamp_min(0),
-             "past": row_block < 0, "group_of": pair // r.n_spans, "span_of": pair % r.n_spans}
+             "past": row_block < 0}
         if r.pre_rope:
             if r.layout is None:
                 pos = r.span_start_dev.view(-1, 1) + torch.arange(n_max, device=r.device).view(1, -1)
@@ -773,10 +767,6 @@ class BatchedStep:
         return tables[r.device]
 
 
-#: tests: the scout's chunk graphs' fixed-input path (sekv/scout_graphs.py) run eagerly on the CPU
-SCOUT_GRAPHS_ON_CPU = False
-
-
 #: the scout's reads of factor blocks in host memory: True, copied a chunk at a time into a device buffer on a side
 #: stream, the next chunk's copy beside this chunk's scoring (ScoutRows); False, read in place (through their mapped
 #: view on CUDA: a dequantising kernel reading host memory); None, True on CUDA
@@ -784,18 +774,22 @@ SCOUT_STAGING: bool | None = None
 
 
 class ScoutRows:
-    """The scout pass's factor-block rows, chunk by chunk, for the blocks in host memory: ``jobs[k]`` = (layers, a,
-    e) reads rows a..e-1 of each of its layers' blocks.  Each chunk's host rows are copied into one of two device
-    buffers on a side stream (page-locked memory: a DMA copy, no host wait), chunk k+1's copy issued before chunk
-    k's scoring, so the copies run beside the scoring; a buffer is written again only after the scoring that read it
-    (events, no host sync).  Blocks in device memory are read in place (``rows(k)`` leaves them out).  On the CPU the
-    same copies run in order (tests: SCOUT_STAGING True)."""
+    """The scout pass's factor-block rows, chunk by chunk, for the blocks in host memory: ``jobs[k]`` = (layers, i0,
+    i1) reads the blocks of spans i0..i1-1 of every KV group of each of its layers (``S`` spans a group).  Each chunk's
+    host rows are copied into one of two device buffers on a side stream, chunk k+1's copy issued before chunk k's
+    scoring, so the copies run beside the scoring; a buffer is written again only after the scoring that read it
+    (events, no host sync).  A layer's copy is one: its rows where they are one run (whole layers), else one strided
+    copy from the blocks' mapped view (a kernel reading page-locked host memory, as a fetch does); without a mapped view
+    (the CPU, tests), a DMA copy of each group's run, in pieces within one page-locked registration.  Blocks in device
+    memory are read in place (``rows(k)`` leaves them out).  On the CPU the same copies run in order (tests:
+    SCOUT_STAGING True)."""
 
-    def __init__(self, blocks: list[fb.Blocks], jobs: list[tuple[list[int], int, int]], device):
-        self.blocks, self.jobs, self.device = blocks, jobs, torch.device(device)
+    def __init__(self, blocks: list[fb.Blocks], jobs: list[tuple[list[int], int, int]], n_spans: int, device):
+        self.blocks, self.jobs, self.S, self.device = blocks, jobs, n_spans, torch.device(device)
         on = SCOUT_STAGING if SCOUT_STAGING is not None else self.device.type == "cuda"
         host = {i for i, b in enumerate(blocks) if b.words.device.type == "cpu"} if on else set()
-        need = [sum((e - a) * blocks[i].stride for i in layers if i in host) for layers, a, e in jobs]
+        self.hkv = blocks[0].last.numel() // max(1, n_spans) if blocks else 0
+        need = [sum(self.hkv * (i1 - i0) * blocks[i].stride for i in layers if i in host) for layers, i0, i1 in jobs]
         self.host = host
         self.words = max(need, default=0)
         self.cuda = self.device.type == "cuda"
@@ -810,8 +804,8 @@ class ScoutRows:
     def _issue(self, k: int) -> None:
         if k >= len(self.jobs) or not self.words:
             return
-        layers, a, e = self.jobs[k]
-        buf = self.buf[k % 2]
+        layers, i0, i1 = self.jobs[k]
+        buf, hkv, ns, S = self.buf[k % 2], self.hkv, i1 - i0, self.S
         ctx = torch.cuda.stream(self.side) if self.cuda else contextlib.nullcontext()
         with ctx:
             if self.cuda:
@@ -824,20 +818,29 @@ class ScoutRows:
                 if i not in self.host:
                     continue
                 b = self.blocks[i]
-                n = (e - a) * b.stride
-                for x, y in fb.pieces(b.words, a * b.stride, e * b.stride):  # each piece inside one registration
-                    buf[at + x - a * b.stride : at + y - a * b.stride].copy_(b.words[x:y], non_blocking=self.cuda)
-                at += n
+                w = ns * b.stride  # a group's run of words
+                if ns < S and b.uva:  # every group's run at once, read through the mapped view
+                    buf[at : at + hkv * w].view(hkv, w).copy_(b.src.view(hkv, S * b.stride)[:, i0 * b.stride : i1 * b.stride])
+                else:
+                    for g in range(1 if ns == S else hkv):
+                        a0 = (g * S + i0) * b.stride
+                        n = hkv * w if ns == S else w
+                        for x, y in fb.pieces(b.words, a0, a0 + n):  # each piece inside one registration
+                            buf[at + x - a0 : at + y - a0].copy_(b.words[x:y], non_blocking=self.cuda)
+                        at += n
+                    continue
+                at += hkv * w
             if self.cuda:
                 ev = torch.cuda.Event()
                 ev.record(self.side)
                 self.copied[k % 2] = ev
 
     def rows(self, k: int) -> dict[int, torch.Tensor]:
-        """Chunk k's staged rows on the device, by layer ([e - a, stride] int64); the next chunk's copy is issued."""
+        """Chunk k's staged rows on the device, by layer ([Hkv * (i1 - i0), stride] int64, group-major); the next
+        chunk's copy is issued."""
         if not self.words:
             return {}
-        layers, a, e = self.jobs[k]
+        layers, i0, i1 = self.jobs[k]
         self._issue(k + 1)
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.copied[k % 2])
@@ -845,8 +848,9 @@ class ScoutRows:
         for i in layers:
             if i in self.host:
                 b = self.blocks[i]
-                out[i] = buf[at : at + (e - a) * b.stride].view(e - a, b.stride)
-                at += (e - a) * b.stride
+                n = self.hkv * (i1 - i0)
+                out[i] = buf[at : at + n * b.stride].view(n, b.stride)
+                at += n * b.stride
         return out
 
     def done(self, k: int) -> None:

@@ -221,8 +221,6 @@ class ZoomMemory(KVMemory):
                 if self.pinning is not None:
                     self.pinning.touch()
             self._scout_host = {"scout_forward_s": t1 - t0, "scout_score_s": time.perf_counter() - t1}
-            if getattr(self.step, "scout_replays", 0):  # scoring chunks given by a replayed graph (sekv/scout_graphs.py)
-                self._scout_host["scout_graph_chunks"] = self.step.scout_replays
             self.ranking.finish_pass(self.res.scout_profile, self.params.profile_weight, lex, self.params.lexical_weight)
             prior.add_to(self.ranking.prio, self.prior, self.params.prior_weight)
             lexical.demote(self.ranking.prio, look)
