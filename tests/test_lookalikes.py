@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from sekv_core import methods, runtime
+from sekv_core.graphed_step import GraphedStep
+from sekv_core.methods.base import GrowingKV
+from sekv_core.methods.full import FullMemory
 from sekv_core.sekv import lexical
 
-from test_sekv_method import _setup
+from test_sekv_method import EXACT, _setup
 
 Q = "What is the secret passphrase for the Halden archive? Answer with the passphrase only."
 
@@ -209,3 +213,195 @@ def test_demote_on_cuda_equals_the_host():
     got = prio.cuda()
     lexical.demote(got, mask)  # a host mask, as the memory passes it
     assert torch.equal(got.cpu(), want)
+
+
+# -- the look-alikes held at full resolution, hidden from attention (sekv/residents.py HiddenColumns) --------------
+
+
+class _MaskedFull(FullMemory):
+    """The reference: full KV attention with the document tokens at ``hidden_pos`` masked (plain SDPA, one additive
+    mask: causal among the new tokens, -inf in those columns)."""
+
+    def __init__(self, kv, shape, hidden_pos: torch.Tensor):
+        super().__init__(kv, shape)
+        self.hidden_pos = hidden_pos
+
+    def attend(self, layer, query, key, value, scaling):
+        keys, values = self.kv.append(layer, key, value)
+        t, q = keys.shape[-2], query.shape[-2]
+        mask = torch.where(torch.arange(t).view(1, -1) <= torch.arange(t - q, t).view(-1, 1), 0.0, float("-inf"))
+        mask[:, self.hidden_pos] = float("-inf")
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask.to(query.dtype), scale=scaling,
+                                              enable_gqa=keys.shape[1] != query.shape[1])
+
+
+def _answer(model, mem, q: torch.Tensor, static: bool, n: int = 3) -> torch.Tensor:
+    """Logits of a question's forward and n greedy single-token steps after it (static: GraphedStep's path, run
+    eagerly on the CPU: what a CUDA graph captures), the memory's appended tokens dropped after."""
+    head = model.get_output_embeddings()
+    start = mem.n_tokens()
+    logits = [runtime.forward_logits(model, q, start, mem, last_only=False)]
+    step = GraphedStep(model, mem) if static else None
+    for _ in range(n):
+        nxt = logits[-1][:, -1:].argmax(-1)
+        if static:
+            with torch.inference_mode():
+                logits.append(head(step(nxt)[:, -1:]).float())
+        else:
+            logits.append(runtime.forward_logits(model, nxt, mem.n_tokens(), mem))
+    mem.truncate(start)
+    return torch.cat(logits, 1)
+
+
+def _hand_set(res) -> torch.Tensor:
+    """Hidden columns made by hand: a sink and a run of the end window (indices into the full-resolution tokens)."""
+    n = res.n_full
+    return torch.cat([torch.tensor([1]), torch.arange(n - 12, n - 4)])
+
+
+@pytest.mark.parametrize("how", ["cpu", "batched", "batched-static"])
+def test_hidden_columns_equal_full_kv_with_those_columns_masked(how):
+    """Every span zoomed exactly (the CPU step; the batched step's fixed sets, filled and reused, eager and static):
+    with a hand-made hidden set the memory's attention is full KV's with those document tokens masked."""
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=400, **EXACT)
+    mem.batched = how != "cpu"
+    cols = _hand_set(mem.res)
+    mem.res.hidden.set(cols)
+    masked = _MaskedFull(GrowingKV.from_tensors(res.keys, res.values, "cpu"), res.shape, mem.res.full_pos[cols])
+    q = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(2))
+    a = _answer(model, mem, q, static=how.endswith("static"))
+    b = _answer(model, masked, q, static=False)
+    assert torch.allclose(a, b, atol=2e-4, rtol=1e-4), (a - b).abs().max()
+    # hiding is not a no-op here: full KV with nothing masked differs
+    c = _answer(model, full, q, static=False)
+    assert (a - c).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("zoom", ["none", "router"])
+def test_the_batched_steps_hide_what_the_cpu_step_hides(zoom):
+    """Coarse entries (zoom none: the batched step's open mask, and its length mask in static steps) and per-layer
+    routing: the batched step, eager and static, gives the CPU step's outputs under the same hidden set."""
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=500, budget=0.3, min_span=10, window=32, zoom=zoom,
+                                                      routing="per_layer")
+    q = torch.tensor([[5, 17, 42, 99, 7, 250]])
+    out = {}
+    for how in ("cpu", "batched", "batched-static"):
+        m = methods.get("sekv").open(store, p, res.shape, "cpu")
+        m.batched = how != "cpu"
+        m.res.hidden.set(_hand_set(m.res))
+        out[how] = _answer(model, m, q, static=how.endswith("static"))
+    assert torch.allclose(out["cpu"], out["batched"], atol=1e-4, rtol=1e-4), (out["cpu"] - out["batched"]).abs().max()
+    assert torch.allclose(out["cpu"], out["batched-static"], atol=1e-4, rtol=1e-4), (out["cpu"] - out["batched-static"]).abs().max()
+    plain = _answer(model, methods.get("sekv").open(store, p, res.shape, "cpu"), q, static=False)
+    assert (out["cpu"] - plain).abs().max() > 1e-3
+
+
+def _end_window_pack(**params):
+    """A pack whose end window (the last 32 tokens) holds another archive's sentence (the Kestrel one, the document's
+    last), the asked (Halden) one in a zoom block."""
+    model, _, _, res, store, p, mem, _ = _setup("qwen2", n=500, budget=0.3, min_span=10, window=32, zoom_unit=8, **params)
+    at: dict[int, str] = {}
+    _needle(at, int(mem.res.block_start[mem.res.n_blocks // 3]), "halden")
+    _needle(at, 480, "kestrel")
+    store["sekv.lex.terms"] = _terms(500, at)
+    return model, res, store, p
+
+
+@pytest.mark.parametrize("how", ["cpu", "batched", "batched-static"])
+def test_a_question_hides_its_end_window_lookalike_and_the_next_one_nothing(how):
+    """Through prepare_question: the Halden question hides the end window's Kestrel sentence (the columns
+    Lexicon.resident_columns gives, in the static steps' buffer, refilled in place); the next question, which has no
+    look-alike, hides nothing: its answer is that of a memory that never hid anything."""
+    model, res, store, p = _end_window_pack()
+    q = torch.tensor([[5, 17, 42, 99, 7, 250]])
+
+    def ask(m, question):
+        m.prepare_question(lambda: runtime.forward_hidden(model, q, m.n_tokens(), m), question)
+        return _answer(model, m, q, static=how.endswith("static")), m.step_stats().extra["hidden_tokens"]
+
+    m = methods.get("sekv").open(store, p, res.shape, "cpu")
+    m.batched = how != "cpu"
+    _, hidden = ask(m, Q)
+    cols = m.res.hidden.cols
+    want = m.res.lexicon.resident_columns(Q, m.res.block_start)
+    assert cols is not None and torch.equal(cols, want) and hidden == cols.numel()
+    assert bool((m.res.full_pos[cols] >= 468).all()) and bool(((m.res.full_pos[cols] >= 480) & (m.res.full_pos[cols] < 488)).sum() == 8)
+    row = m.res.hidden.row("cpu")
+    assert torch.equal(torch.isinf(row).nonzero().flatten(), cols)
+    ptr = row.data_ptr()
+    other = Q.replace("Halden", "Kestrel")  # its best match is the end window's sentence: no look-alike held there
+    got, hidden = ask(m, other)
+    assert m.res.hidden.cols is None and hidden == 0 and m.res.hidden.row("cpu") is None
+    assert m.res.hidden._rows[torch.device("cpu")].data_ptr() == ptr  # refilled, not made anew
+    assert not bool(torch.isinf(m.res.hidden._rows[torch.device("cpu")]).any())
+    fresh = methods.get("sekv").open(store, p, res.shape, "cpu")
+    fresh.batched = how != "cpu"
+    want, _ = ask(fresh, other)
+    assert torch.equal(got, want)
+
+
+def test_nothing_hidden_without_the_rule():
+    """lookalikes=keep (or no lexical evidence) hides nothing, and a question with look-alikes under "demote" answers
+    differently from "keep" only through what it hides and demotes (here: the hidden end window changes the logits)."""
+    model, res, store, p = _end_window_pack()
+    for params in (p.replace(lookalikes="keep"), p.replace(lexical_weight=0.0)):
+        m = methods.get("sekv").open(store, params, res.shape, "cpu")
+        m.prepare_question(lambda: runtime.forward_hidden(model, torch.tensor([[5, 6]]), m.n_tokens(), m), Q)
+        assert m.res.hidden.cols is None and m.step_stats().extra["hidden_tokens"] == 0
+
+
+@pytest.mark.parametrize("zoom", ["all", "none"])
+@pytest.mark.parametrize("how", ["batched", "batched-static"])
+def test_the_cached_masks_follow_the_hidden_set(zoom, how):
+    """The same question asked twice of one memory, the hidden set changed in between and nothing else (no scout pass:
+    the fixed sets' ranking and the forwards' shapes the same): the masks the first ask made (the open mask, the fixed
+    sets' fill) are not reused for the second, which answers as a memory that never hid anything."""
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=400, **{**EXACT, "zoom": zoom})
+    q = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(2))
+    plain = methods.get("sekv").open(store, p, res.shape, "cpu")
+    plain.batched = mem.batched = True
+    static = how.endswith("static")
+    want = _answer(model, plain, q, static)
+    mem.res.hidden.set(_hand_set(mem.res))
+    hid = _answer(model, mem, q, static)
+    assert (hid - want).abs().max() > 1e-3
+    mem.res.hidden.set(None)
+    assert torch.equal(_answer(model, mem, q, static), want)
+    mem.res.hidden.set(_hand_set(mem.res))
+    assert torch.allclose(_answer(model, mem, q, static), hid, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_a_captured_step_reads_each_questions_hidden_set():
+    """One captured step (GraphedStep on CUDA) across asks: the hidden columns' buffer is refilled in place, so the
+    replayed graph hides the second set (no recapture), and an ask with nothing hidden runs the graph without it; each
+    answer is the CPU step's under the same set."""
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=500, budget=0.3, min_span=10, window=32, zoom="none",
+                                                      routing="per_layer", zoom_tier="factors")
+    gmodel = tiny("qwen2").cuda()
+    gmodel.load_state_dict(model.state_dict())
+    runtime.install(gmodel)
+    g = methods.get("sekv").open(store, p, res.shape, "cuda")
+    assert g.batched and GraphedStep.supported(gmodel, g)
+    step = GraphedStep(gmodel, g)
+    head = gmodel.get_output_embeddings()
+    q = torch.tensor([[5, 17, 42, 99, 7, 250]])
+    n = mem.res.n_full
+    sets = [_hand_set(mem.res), torch.arange(n - 20, n - 14), None, _hand_set(mem.res)]
+    captures = []
+    for cols in sets:
+        mem.res.hidden.set(cols)
+        want = _answer(model, mem, q, static=False, n=4)
+        g.res.hidden.set(cols)
+        start = g.n_tokens()
+        got = [runtime.forward_logits(gmodel, q.cuda(), start, g, last_only=False)]
+        for _ in range(4):
+            nxt = got[-1][:, -1:].argmax(-1)
+            with torch.inference_mode():
+                got.append(head(step(nxt)[:, -1:]).float())
+        g.truncate(start)
+        got = torch.cat(got, 1).cpu()
+        assert torch.allclose(got, want, atol=2e-3, rtol=1e-3), (got - want).abs().max()
+        captures.append(step.captures)
+    assert captures[1] == captures[0]  # the second set: the same graph replayed, reading the refilled buffer
+    assert captures[2] > captures[1]  # nothing hidden: the graph without the hidden columns' buffer

@@ -33,7 +33,7 @@ EXACT = {
     "zoom_tier": "factors",  # the factors' own exactness (the zoom tier's: tests/test_zoom_tier.py)
 }
 STAT_KEYS = {"zoom_spans_step", "zoom_spans_total", "h2d_bytes_step", "h2d_bytes_total", "zoom_rate_per_layer", "span_zoom_counts", "budget_bytes", "appended_bytes", "span_order",
-             "blocks_on_device_bytes", "first_token_parts"}
+             "blocks_on_device_bytes", "first_token_parts", "hidden_tokens"}
 
 
 class Store(dict):

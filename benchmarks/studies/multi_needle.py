@@ -14,9 +14,10 @@ does for one needle) and records, per question and variant:
 
 Variants: ``win@rp`` (the default ask past the window), ``one`` (one prefill, read at the document's own positions:
 the path within the window), ``one@rp`` (that pack re-positioned), ``win@rp:KEY=VALUE+KEY=VALUE`` (ask-time sekv parameters), ``win@rp:oracle``
-(study only: the other needles' blocks ranked last, as a perfect look-alike test would), ``win@rp:hide`` (study only,
-the CPU step: the look-alikes held at full resolution, in the end window, hidden from attention for the question:
-``Lexicon.resident_lookalikes``), ``rag``.
+(study only: the other needles' blocks ranked last, as a perfect look-alike test would), ``win@rp:hide`` (the CPU
+step: the look-alikes held at full resolution, in the end window, hidden from attention for the question by the
+study's own patch of the mask: ``Lexicon.resident_columns``; the product hides them itself now, with
+``lookalikes=demote``, so it is the same ask as ``win@rp``, kept to remake the records made before), ``rag``.
 
     python -m benchmarks.studies.multi_needle --length 8192 --window 2048 --depths 0,50,100 --seeds 0 \\
         --variants win@rp,rag --cache /tmp/mn --out docs/bench/multi-needle-8k-qwen2.5-0.5b.json
@@ -62,11 +63,8 @@ def hidden_columns(mem, question: str) -> torch.Tensor:
     """The full-resolution columns of the look-alikes no ranking reaches (``Lexicon.resident_lookalikes``: pieces of the
     end window, the sinks), as indices into the pack's full-resolution tokens."""
     res = mem.res
-    marked = res.lexicon.resident_lookalikes(question, res.block_start) if res.lexicon is not None else None
-    if marked is None:
-        return torch.zeros(0, dtype=torch.long)
-    pos = torch.cat([torch.arange(s, s + n) for s, n in zip(res.lexicon.run_start[marked].tolist(), res.lexicon.run_len[marked].tolist())])
-    return torch.isin(res.full_pos.cpu(), pos).nonzero().flatten()
+    cols = res.lexicon.resident_columns(question, res.block_start) if res.lexicon is not None else None
+    return torch.zeros(0, dtype=torch.long) if cols is None else cols
 
 
 @contextlib.contextmanager

@@ -96,6 +96,7 @@ def build_mask(
     slot_span: torch.Tensor | None,
     dtype,
     coarse: torch.Tensor | None = None,
+    hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Additive mask [1, H, q, F + S + A + U].
 
@@ -103,7 +104,8 @@ def build_mask(
     coarse entry with + log n_i.  slot_span [Hkv, U] (-1 = padding): which span each
     reconstructed slot belongs to.  The appended tail is causal among the q new tokens.
     Zoom blocks (parts of spans): ``expanded`` [H, B] and ``slot_span`` index blocks, and
-    ``coarse`` [H, S] gives the coarse entries' scores (:func:`coarse_scores`).
+    ``coarse`` [H, S] gives the coarse entries' scores (:func:`coarse_scores`).  ``hidden`` [F] (0 or -inf): the
+    full-resolution columns hidden for the question (sekv/residents.py HiddenColumns); None: every one seen.
     """
     h = expanded.shape[0]
     dev = expanded.device
@@ -111,7 +113,8 @@ def build_mask(
     if coarse is None:
         coarse = torch.where(expanded, ninf, log_n.float().view(1, -1))  # [H, S]
     s = coarse.shape[1]
-    head = torch.cat([torch.zeros(h, n_full, device=dev), coarse], 1).unsqueeze(1).expand(h, n_q, n_full + s)
+    full = torch.zeros(h, n_full, device=dev) if hidden is None else hidden.view(1, -1).expand(h, n_full)
+    head = torch.cat([full, coarse], 1).unsqueeze(1).expand(h, n_q, n_full + s)
     t = torch.arange(n_tail, device=dev).view(1, -1)
     qi = torch.arange(n_q, device=dev).view(-1, 1)
     tail = torch.where(t <= n_tail - n_q + qi, 0.0, ninf).unsqueeze(0).expand(h, n_q, n_tail)

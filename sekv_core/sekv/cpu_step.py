@@ -64,6 +64,7 @@ class CpuStep:
         mask = build_mask(
             n_heads=query.shape[1], n_q=query.shape[2], n_full=r.n_full, log_n=r.log_n, expanded=expanded,
             n_tail=r.kv.len[layer] - r.n_base, slot_span=slot_span, dtype=query.dtype, coarse=r.coarse_mask(expanded),
+            hidden=r.hidden.row(r.device),
         )
         out = mixed_attention(query, keys, values, mask, scaling)
         self._account(r, layer, keep, expanded, h2d)

@@ -71,10 +71,11 @@ class FixedSets:
     def key(self, u: int):
         """Identity of this forward's kept set when it cannot depend on the query (under a ranking), else None:
         (slot count, ranking version, resident buffers' generation, truncations: a truncated tail must be
-        hidden again, which the fill's mask does)."""
+        hidden again, which the fill's mask does; the full-resolution columns hidden for the question, which the
+        fill's mask hides: sekv/residents.py HiddenColumns)."""
         if not self.ranking.ranks():
             return None
-        return (u, self.ranking.version, self.res.kv.generation, self.res.kv.truncations)
+        return (u, self.ranking.version, self.res.kv.generation, self.res.kv.truncations, self.res.hidden.key)
 
     def reusable_layers(self, key) -> list[bool]:
         return [key is not None and x == key for x in self.filled_for]
@@ -325,7 +326,8 @@ class FixedSets:
         return c
 
     def _joint_attention(self, layer: int, query: torch.Tensor, scaling: float, lim, fresh: bool, expanded=None, unmasked: bool = False) -> torch.Tensor:
-        """One SDPA over a layer's resident buffer and its annex, under the set's mask: full-resolution tokens;
+        """One SDPA over a layer's resident buffer and its annex, under the set's mask: full-resolution tokens (but the
+        columns hidden for the question);
         coarse entries with +log n_i, hidden where the group expanded the span; the tail up to lim (the resident
         length after this forward; causal among its q new tokens); each group's filled annex rows.
         fresh: build the mask (a fill); else unmask only the new token(s) (unmasked: done already, for all layers)."""
@@ -350,6 +352,9 @@ class FixedSets:
                 m = torch.empty(h, cap + ug, device=dev)
                 m[:, :cap] = torch.where(p < lim, 0.0, float("-inf")).view(1, cap)
                 m[:, r.n_full : r.n_base] = r.coarse_mask(expanded)
+                hidden = r.hidden.row(dev)
+                if hidden is not None:  # the columns hidden for the question (below lim: 0 until now)
+                    m[:, : r.n_full] = hidden.view(1, -1)
                 rows = torch.arange(ug, device=dev).view(1, -1) < self.n[layer].index_select(0, r.head_group).view(-1, 1)
                 m[:, cap:] = torch.where(rows, 0.0, float("-inf"))
                 mk = (cap, ug, lim), m.view(1, h, 1, -1)

@@ -434,13 +434,15 @@ class BatchedStep:
 
     def _open_mask(self, r: Residents, h: int, q: int, n_tail: int) -> torch.Tensor:
         """build_mask with no span expanded [1, H, q, T] (float32): the same for every layer of a forward (one device),
-        made by its first layer; a layer's mask hides its expanded spans' coarse entries in a copy of it."""
-        key = (h, q, r.n_full, n_tail)
+        made by its first layer; a layer's mask hides its expanded spans' coarse entries in a copy of it, and the
+        full-resolution columns hidden for the question (sekv/residents.py HiddenColumns) are hidden in it."""
+        key = (h, q, r.n_full, n_tail, r.hidden.key)
         masks = self.__dict__.setdefault("_open_masks", {})  # by device (a model placed across devices: each its own)
         held = masks.get(r.device)
         if held is None or held[0] != key:
             none = torch.zeros(h, r.n_spans, dtype=torch.bool, device=r.log_n.device)
-            m = build_mask(n_heads=h, n_q=q, n_full=r.n_full, log_n=r.log_n, expanded=none, n_tail=n_tail, slot_span=None, dtype=torch.float32)
+            m = build_mask(n_heads=h, n_q=q, n_full=r.n_full, log_n=r.log_n, expanded=none, n_tail=n_tail, slot_span=None, dtype=torch.float32,
+                           hidden=r.hidden.row(r.device))
             held = masks[r.device] = (key, m)
         return held[1]
 
@@ -562,16 +564,22 @@ class BatchedStep:
         layer, whether its set is reused."""
         reuse = tuple(self.fixed.reusable_layers(self.fixed_key())) if self.fixed is not None else ()
         p0 = None if self.res.layout is None else self.res.layout.p0  # re-positioned: the layout's constants
-        return (self.U, tuple(t.data_ptr() for t in self.rk), self.fixed_key() is not None, p0) + reuse
+        hiding = self.res.hidden.key is not None  # the length mask reads the hidden columns' buffer, or not
+        return (self.U, tuple(t.data_ptr() for t in self.rk), self.fixed_key() is not None, p0, hiding) + reuse
 
     def _length_mask(self, h: int, t: int):
-        """resident_mask over a whole buffer of capacity t: entries at or past g_len hidden (a device scalar)."""
+        """resident_mask over a whole buffer of capacity t: entries at or past g_len hidden (a device scalar), and the
+        full-resolution columns hidden for the question (read from its buffer, refilled in place per question: a
+        captured step sees the question's; whether any is hidden is part of static_key)."""
         r = self.res
+        hidden = r.hidden.row(r.device)
 
         def resident_mask(expanded):
             p = torch.arange(t, device=expanded.device)
             mask = torch.where(p < self.g_len, 0.0, float("-inf")).view(1, t).repeat(h, 1)
             mask[:, r.n_full : r.n_base] = torch.where(expanded, float("-inf"), r.log_n.float().view(1, -1))
+            if hidden is not None:  # the full-resolution columns are all below g_len: 0 until now
+                mask[:, : r.n_full] = hidden.view(1, -1)
             return mask.view(1, h, 1, t)
 
         return resident_mask

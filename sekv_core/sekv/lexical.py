@@ -17,7 +17,8 @@ lack its most specific one (another archive's passphrase sentence when one archi
 coarse entries and anchors but are not zoomed, and the model does not read the look-alike's value at full
 resolution next to the asked one (docs/long-documents.md, "Four needles").  A look-alike held at full resolution
 (the document's last sentence, in the end window) is out of any ranking's reach: :meth:`Lexicon.resident_lookalikes`
-finds those, by the same test, for a step that would hide them.
+finds those, by the same test; :meth:`Lexicon.resident_columns` gives their columns, which every step hides from
+attention for that question (sekv/residents.py HiddenColumns).
 """
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ class Lexicon:
         """``full_pos``: the full-resolution tokens' positions; their runs of at least RUN tokens (the end window,
         the sinks) are passages too, for :meth:`lookalikes` only (a question's best match may be held there)."""
         terms = terms.long()
+        self.full_pos = full_pos.long().cpu() if full_pos is not None else None
+        self._last: tuple | None = None  # the last question's best match (asked for its blocks and its runs)
         self.n_blocks = int(block_start.numel())
         self.block_terms = _window_terms(terms, block_start, block_len)
         self.run_start, self.run_len, self.run_terms = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), []
@@ -153,7 +156,24 @@ class Lexicon:
         m = self._best_match(question, block_start)
         return None if m is None or not self.run_terms else m.mark(m.run_hits, self.run_start, near, share, reach)
 
+    def resident_columns(self, question: str, block_start: torch.Tensor) -> torch.Tensor | None:
+        """[K] long: the full-resolution tokens (indices into ``full_pos``, the pack's full-resolution columns) of the
+        pieces :meth:`resident_lookalikes` marks, which the steps hide from attention for the question; None: none."""
+        marked = self.resident_lookalikes(question, block_start)
+        if marked is None or self.full_pos is None:
+            return None
+        pos = torch.cat([torch.arange(s, s + n) for s, n in zip(self.run_start[marked].tolist(), self.run_len[marked].tolist())])
+        return torch.isin(self.full_pos, pos).nonzero().flatten()
+
     def _best_match(self, question: str, block_start: torch.Tensor) -> "_Match | None":
+        last = self._last  # asked for the blocks' look-alikes and the runs' in turn: found once
+        if last is not None and last[0] == question and last[1] is block_start:
+            return last[2]
+        m = self._find_match(question, block_start)
+        self._last = (question, block_start, m)
+        return m
+
+    def _find_match(self, question: str, block_start: torch.Tensor) -> "_Match | None":
         q = text_terms(question)
         if not q or not self.block_terms:
             return None

@@ -157,8 +157,10 @@ class ZoomMemory(KVMemory):
         order = self.ranking.span_order(self.res.block_span, self.res.n_spans) if ranked else []
         resident = self.ledger.resident if self.ledger.steps else self.resident_bytes()
         kept = self.pinning.device_bytes() if self.pinning is not None else 0  # factor blocks not moved to host memory yet
+        hidden = 0 if self.res.hidden.cols is None else int(self.res.hidden.cols.numel())  # look-alikes hidden for the question
         return StepStats(resident_bytes=int(resident), extra={**self.ledger.stats(), "span_order": order, "blocks_on_device_bytes": kept,
-                                                              "first_token_parts": self.first_token_parts()})
+                                                              "first_token_parts": self.first_token_parts(),
+                                                              "hidden_tokens": hidden})
 
     def first_token_parts(self) -> dict:
         """Host seconds of this ask's way to its first token, by part (where a launch waited shows): the scout pass's
@@ -199,8 +201,12 @@ class ZoomMemory(KVMemory):
         """Scout pass (routing "scout"): run the question once with the per-layer router, summing each layer's
         z-scored masses of the zoom blocks; the answer's forwards then rank blocks by the sum (minus the document
         profile), plus ``lexical_weight`` x the z-scored lexical score of the question's text (sekv/lexical.py).
-        forward() runs the question's tokens through the model over this memory; they are dropped afterwards."""
-        if self.ranking is None or self.ranking.kind != "scout" or self.res.n_spans == 0:
+        forward() runs the question's tokens through the model over this memory; they are dropped afterwards.
+        The question's look-alikes held at full resolution (no ranking reaches them) are hidden from every attention of
+        this question and its answer (sekv/residents.py HiddenColumns); the next question sets its own."""
+        scouted = self.ranking is not None and self.ranking.kind == "scout" and self.res.n_spans > 0
+        self.res.hidden.set(self._hidden_columns(question) if scouted else None)
+        if not scouted:
             return
         base = self.n_tokens()
         lex = None
@@ -238,6 +244,14 @@ class ZoomMemory(KVMemory):
         if look is None and self.rehearsing:  # none: the demotion runs demoting nothing (lexical.demote leaves prio as it is)
             look = torch.zeros(self.res.n_blocks, dtype=torch.bool)
         return look
+
+    def _hidden_columns(self, question: str | None) -> torch.Tensor | None:
+        """The full-resolution columns of the question's look-alikes held there (the end window, the sinks), hidden
+        from attention for the question (sekv/lexical.py ``Lexicon.resident_columns``), or None; with the blocks'
+        rule (``lookalikes="demote"``, lexical evidence on)."""
+        if self.params.lookalikes != "demote" or self.params.lexical_weight <= 0 or not question or self.res.lexicon is None:
+            return None
+        return self.res.lexicon.resident_columns(question, self.res.block_start)
 
     def _scout_layer(self, layer: int, query: torch.Tensor, scaling: float) -> None:
         hkv, d = self.shape.n_kv_heads, self.shape.head_dim

@@ -53,6 +53,52 @@ DEVICE_TABLES = ("inv_freq", "cost", "block_cost", "block_span_dev", "block_len_
                  "span_len_dev", "span_start_dev", "log_n", "head_group", "scout_profile")
 
 
+class HiddenColumns:
+    """The full-resolution columns hidden from attention for the question being asked: the look-alikes no ranking
+    reaches (sekv/lexical.py ``Lexicon.resident_columns``: another archive's passphrase sentence in the end window;
+    docs/long-documents.md, "Four needles").  Nothing hidden is the common case: every mask is then made as without it.
+
+    ``row(device)``: [n_full] float32, 0 or -inf, to add to the full-resolution columns; one buffer a device, refilled in
+    place at each :meth:`set` (a captured step reads it); None when nothing is hidden.  ``key``: None when nothing is
+    hidden, else a number that changes at each :meth:`set` (the masks made for a hidden set are cached by it)."""
+
+    def __init__(self, n_full: int, device):
+        self.n_full, self.device = n_full, torch.device(device)
+        self.cols: torch.Tensor | None = None  # host [K] indices into the full-resolution tokens
+        self.version = 0
+        self._rows: dict = {}
+
+    @property
+    def key(self) -> int | None:
+        return None if self.cols is None else self.version
+
+    def set(self, cols: torch.Tensor | None) -> None:
+        """Hide ``cols`` (indices into the full-resolution tokens) from now on; None or empty: nothing."""
+        if cols is not None and not cols.numel():
+            cols = None
+        if cols is None and self.cols is None:
+            return
+        self.cols = None if cols is None else cols.long().cpu()
+        self.version += 1
+        with torch.inference_mode():  # the buffers are a forward's (inference tensors)
+            if self.cols is not None and self.device not in self._rows:  # made before any step can be captured
+                self._rows[self.device] = torch.empty(self.n_full, dtype=torch.float32, device=self.device)
+            for row in self._rows.values():
+                row.zero_()
+                if self.cols is not None:
+                    row.index_fill_(0, self.cols.to(row.device), float("-inf"))
+
+    def row(self, device) -> torch.Tensor | None:
+        if self.cols is None:
+            return None
+        device = torch.device(device)
+        row = self._rows.get(device)
+        if row is None:  # another layer device's (a model placed across devices)
+            row = self._rows[device] = torch.zeros(self.n_full, dtype=torch.float32, device=device)
+            row.index_fill_(0, self.cols.to(device), float("-inf"))
+        return row
+
+
 class Residents:
     """The tensors and tables of one opened pack (read-only after open, except the growing K/V buffers).
 
@@ -82,6 +128,8 @@ class Residents:
         keys = [torch.cat([store.get(f"sekv.full.k.{i}"), store.get(f"sekv.coarse.k.{i}")], 1).to(shape.dtype) for i in range(L)]
         vals = [torch.cat([store.get(f"sekv.full.v.{i}"), store.get(f"sekv.coarse.v.{i}")], 1).to(shape.dtype) for i in range(L)]
         self.n_base = self.n_full + self.n_spans
+        #: the full-resolution columns hidden for the question being asked (shared by the views on other devices)
+        self.hidden = HiddenColumns(self.n_full, device)
         self.kv = GrowingKV.from_tensors(keys, vals, self.layer_devices if self.split else device, extra=256)
         self._router(store, params)
         # K and V factors stacked per layer, so one gather and one batched product serve both (V: heads Hkv..2Hkv-1);
