@@ -388,7 +388,11 @@ def test_cuda_blocks_thread_rehearses_the_first_layer(tier):
     for m in (memory.ZoomMemory(store, p, res.shape, dev), memory.ZoomMemory(store, p, res.shape, dev, blocks=gpu_step.build_blocks(memory.ZoomMemory(store, p, res.shape, dev).res))):
         m.prepare_question(lambda: runtime.forward_hidden(model, q, m.n_tokens(), m))
         out.append((runtime.forward_logits(model, q, m.n_tokens(), m), m.ranking.prio.clone()))
-    assert torch.equal(out[0][1], out[1][1]) and torch.allclose(out[0][0], out[1][0], atol=1e-5)
+    # the scoring's chunks follow where the blocks are (kept on the device by the early build, or streamed): the
+    # same masses up to float32 summation order (tests/test_ttft.py test_scout_chunks_of_every_group...)
+    (la, pa), (lb, pb) = out
+    assert torch.equal(pa.isnan(), pb.isnan()) and torch.allclose(pa, pb, atol=1e-5, rtol=1e-4, equal_nan=True), (pa - pb).nan_to_num(0).abs().max()
+    assert torch.allclose(la, lb, atol=1e-5), (la - lb).abs().max()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

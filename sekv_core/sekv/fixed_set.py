@@ -16,6 +16,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import blocks as fb
 from . import rope
@@ -395,6 +396,12 @@ class FixedSets:
         return F.scaled_dot_product_attention(query, jk, jv, attn_mask=mask, scale=scaling, enable_gqa=jk.shape[1] != h)
 
 
+#: the SDPA kernels grouped_attention lets the device take: not cuDNN's, which torch prefers on Hopper, because cuDNN
+#: builds an execution plan on the host for every new shape, so every new question length (each question's fill)
+#: paid the plan and a lazily loaded kernel; the memory-efficient kernel takes the mask with no plan
+GROUPED_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
 def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
     """SDPA of query [1, H, q, d] over keys / values [1, Hkv, T, d] under an additive mask [1, H, q | 1, T], each
     query head on its KV group (head h on group h // (H / Hkv)), as ``enable_gqa=True`` would -> [1, H, q, d].
@@ -404,8 +411,9 @@ def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     _, h, q, d = query.shape
     hkv, t = keys.shape[1], keys.shape[2]
     g = h // hkv
-    if g == 1:
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
-    qg = query.reshape(1, hkv, g * q, d)
-    mg = mask.expand(1, h, q, t).reshape(1, hkv, g * q, t)
-    return F.scaled_dot_product_attention(qg, keys, values, attn_mask=mg, scale=scaling).reshape(1, h, q, d)
+    with sdpa_kernel(GROUPED_BACKENDS):
+        if g == 1:
+            return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
+        qg = query.reshape(1, hkv, g * q, d)
+        mg = mask.expand(1, h, q, t).reshape(1, hkv, g * q, t)
+        return F.scaled_dot_product_attention(qg, keys, values, attn_mask=mg, scale=scaling).reshape(1, h, q, d)
