@@ -13,7 +13,7 @@ from sekv_core.methods.base import GrowingKV
 from sekv_core.methods.full import FullMemory
 from sekv_core.sekv import lexical
 
-from test_sekv_method import EXACT, _setup
+from test_sekv_method import EXACT, _setup, tiny
 
 Q = "What is the secret passphrase for the Halden archive? Answer with the passphrase only."
 

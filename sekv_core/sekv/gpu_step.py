@@ -340,7 +340,11 @@ class BatchedStep:
         if self.fixed is not None and not res.split and self.blocks:
             # every layer's block table a view of one [L, Hkv * S] tensor (the same bytes): a fixed set's fetch reads
             # each pair's last word for all layers at once
-            last = torch.stack([b.last for b in self.blocks])
+            # (each row copied, a device-to-device memcpy, rather than torch.stack: the stack's cat kernel ran nowhere
+            # else on a question's way, and a first question loaded it lazily after the rehearsals on the H200)
+            last = self.blocks[0].last.new_empty((len(self.blocks), *self.blocks[0].last.shape))
+            for i, b in enumerate(self.blocks):
+                last[i].copy_(b.last)
             for i, b in enumerate(self.blocks):
                 b.last = last[i]
             self.fixed.last_all = last
