@@ -16,7 +16,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import blocks as fb
 from . import rope
@@ -34,8 +33,12 @@ from .scout import Ranking
 SDPA_LAYOUT = "gqa"
 #: the same for a forward of several tokens (the question's, which fills the sets), None: SDPA_LAYOUT.  cuDNN builds
 #: its plan per new shape (tens to hundreds of ms, more where a kernel variant is compiled: docs/gpu.md, "The zoom
-#: tier's read"), and every question has its own length; "packed" takes the memory-efficient kernel, which has no
-#: plan.  benchmarks/cli_probe.py sets it from $SEKV_PROBE_FILL_SDPA, to compare on a device
+#: tier's read"), and every question has its own length; "packed" is plain multi-head attention, which the
+#: memory-efficient kernel takes with no plan, but torch 2.11 on an H200 still picks cuDNN for it (a plan and a
+#: lazily loaded kernel for a new question length; docs/gpu.md, "The first token").  Choosing the kernel with
+#: torch.nn.attention.sdpa_kernel is not done: it sets process-wide flags, and the rehearsal threads' calls would
+#: change the backend under a question's (or leave cuDNN off).  benchmarks/cli_probe.py sets this from
+#: $SEKV_PROBE_FILL_SDPA, to compare on a device
 FILL_SDPA_LAYOUT: str | None = "packed"
 
 #: the host's seconds in a fill's parts, summed over layers: the plan (made by the first layer), the fetch and
@@ -396,12 +399,6 @@ class FixedSets:
         return F.scaled_dot_product_attention(query, jk, jv, attn_mask=mask, scale=scaling, enable_gqa=jk.shape[1] != h)
 
 
-#: the SDPA kernels grouped_attention lets the device take: not cuDNN's, which torch prefers on Hopper, because cuDNN
-#: builds an execution plan on the host for every new shape, so every new question length (each question's fill)
-#: paid the plan and a lazily loaded kernel; the memory-efficient kernel takes the mask with no plan
-GROUPED_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
-
-
 def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
     """SDPA of query [1, H, q, d] over keys / values [1, Hkv, T, d] under an additive mask [1, H, q | 1, T], each
     query head on its KV group (head h on group h // (H / Hkv)), as ``enable_gqa=True`` would -> [1, H, q, d].
@@ -411,9 +408,8 @@ def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     _, h, q, d = query.shape
     hkv, t = keys.shape[1], keys.shape[2]
     g = h // hkv
-    with sdpa_kernel(GROUPED_BACKENDS):
-        if g == 1:
-            return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
-        qg = query.reshape(1, hkv, g * q, d)
-        mg = mask.expand(1, h, q, t).reshape(1, hkv, g * q, t)
-        return F.scaled_dot_product_attention(qg, keys, values, attn_mask=mg, scale=scaling).reshape(1, h, q, d)
+    if g == 1:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
+    qg = query.reshape(1, hkv, g * q, d)
+    mg = mask.expand(1, h, q, t).reshape(1, hkv, g * q, t)
+    return F.scaled_dot_product_attention(qg, keys, values, attn_mask=mg, scale=scaling).reshape(1, h, q, d)
