@@ -1,5 +1,8 @@
 """Torch ops between "question tokenised" and "first token", per phase, on the CPU (a proxy for CUDA launches).
 
+``--device cuda`` instead profiles the product's own path there: each phase's wall, host and device-busy seconds,
+its kernels with the most device time and its device memory above the phase's start.
+
 On an accelerator the sekv answer's first token is launch-bound: many small ops on tiny tensors.  This counts
 them on the CPU with torch.profiler, running the CUDA path's code (the batched step, sekv/gpu_step.py) on a pack
 file on disk and the real model:
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -177,6 +181,94 @@ def _caller(e) -> str:
     return "model"
 
 
+def device_profile(a) -> int:
+    """--device cuda: each phase of each ask under torch.profiler with the device's kernels; per phase the wall seconds
+    (synchronised at its end), the host seconds to issue it, the device's busy seconds (kernels and copies, overlaps
+    merged), the top --kernels kernels by device time, and the device memory's peak beyond what was allocated before
+    the phase (the scout's chunks against the answer's fixed sets).  Only the last ask runs under the profiler (its
+times carry the profiler's overhead); the asks before it give the times without it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if a.scout_chunk_bytes:
+        from sekv_core.sekv import gpu_step
+
+        gpu_step.SCOUT_CHUNK_BYTES = a.scout_chunk_bytes
+    s = Session.open(a.pack, model=a.model, device=a.device)
+    mem, dev = s.memory, torch.device(a.device)
+    results = []
+    for k in range(a.asks):
+        phases: dict[str, dict] = {}
+        state: dict = {}
+        prep = mem.prepare_question
+
+        def start(name):
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if k == a.asks - 1 else contextlib.nullcontext()
+            state.update(name=name, base=torch.cuda.memory_allocated(dev), prof=prof)
+            prof.__enter__()
+            state["t"] = time.perf_counter()
+
+        def stop():
+            host = time.perf_counter() - state["t"]
+            torch.cuda.synchronize(dev)
+            wall = time.perf_counter() - state["t"]
+            peak = torch.cuda.max_memory_allocated(dev) - state["base"]
+            prof = state.pop("prof")
+            prof.__exit__(None, None, None)
+            seen = _kernels(prof, a.kernels) if k == a.asks - 1 else {"busy_s": float("nan"), "n_kernels": 0, "top": []}
+            phases[state["name"]] = {"wall_s": wall, "host_s": host, "peak_above_gib": peak / 2**30, **seen}
+
+        def timed_prep(forward, question=None):
+            start("scout")
+            prep(forward, question)
+            stop()
+            start("first_forward")
+
+        def first(_m):
+            if "prof" in state:
+                stop()
+
+        mem.prepare_question = timed_prep
+        try:
+            ans = s.ask(a.question, max_new_tokens=2, on_step=first)
+        finally:
+            del mem.prepare_question
+        results.append({"ask": k + 1, "answer": ans.text, "phases": phases, "first_token_parts": (ans.stats.extra or {}).get("first_token_parts")})
+        for name, ph in phases.items():
+            print(f"ask {k + 1} {name:14s} wall {ph['wall_s']:.4f} s  host {ph['host_s']:.4f} s  device busy {ph['busy_s']:.4f} s  "
+                  f"kernels {ph['n_kernels']}  peak above start {ph['peak_above_gib']:.3f} GiB")
+            if k == a.asks - 1:
+                for n, c, t in ph["top"]:
+                    print(f"    {t * 1e3:9.2f} ms  {c:6d}x  {n[:110]}")
+    if a.out:
+        Path(a.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def _kernels(prof, top: int) -> dict:
+    """The device's side of a profile: busy seconds (the union of its kernels' and copies' intervals), their count,
+    and the ``top`` names by summed device time [(name, count, seconds)]."""
+    spans, by = [], collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        dt = getattr(e, "device_type", None)
+        if dt is None or str(dt).split(".")[-1] != "CUDA" or e.time_range.elapsed_us() <= 0:
+            continue
+        spans.append((e.time_range.start, e.time_range.end))
+        by[e.name][0] += 1
+        by[e.name][1] += e.time_range.elapsed_us() / 1e6
+    busy, end = 0.0, None
+    for s0, s1 in sorted(spans):
+        if end is None or s0 > end:
+            busy += s1 - s0
+            end = s1
+        elif s1 > end:
+            busy += s1 - end
+            end = s1
+    ranked = sorted(by.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"busy_s": busy / 1e6, "n_kernels": len(spans), "top": [(n, c, t) for n, (c, t) in ranked]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.ttft_ops", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("pack")
@@ -188,7 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--syncs", action="store_true", help="list the calls that would wait for the device on CUDA, by sekv line")
     ap.add_argument("--ops", action="store_true", help="count the aten ops below autograd (the launch proxy), by name and sekv line")
     ap.add_argument("--scout-chunk-bytes", type=int, default=None, help="SCOUT_CHUNK_BYTES (small: the chunking of a long context)")
+    ap.add_argument("--device", default="cpu", help="cuda: the product's own path on the device, profiled with its kernels (--kernels)")
+    ap.add_argument("--kernels", type=int, default=25, help="with --device cuda: the kernels with the most device time, per phase")
     a = ap.parse_args(argv)
+    if a.device != "cpu":
+        return device_profile(a)
     stack = a.by_function
     torch.set_num_threads(1)
     s = Session.open(a.pack, model=a.model, device="cpu")
