@@ -210,6 +210,31 @@ def test_grouped_attention_is_masked_gqa(q):
         assert torch.allclose(grouped_attention(query, keys, values, mask[:, :, :1], 0.3), out, atol=1e-6)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's memory-efficient kernel")
+@pytest.mark.parametrize("t", [37, 48])
+def test_cuda_efficient_attention_is_masked_attention(t):
+    """fixed_set.efficient_attention (the memory-efficient kernel's own operator: what grouped_attention calls on CUDA)
+    against a float32 softmax, bf16 inputs, a mask with hidden entries whose rows are not 16-aligned (t = 37, and a
+    slice of a wider buffer) or are (t = 48, contiguous), and through grouped_attention with 4 heads a group."""
+    from sekv_core.sekv.fixed_set import efficient_attention, grouped_attention
+
+    g = torch.Generator().manual_seed(3)
+    h, hkv, q, d = 8, 2, 5, 64
+    query, keys, values = (torch.randn(1, n, m, d, generator=g) for n, m in ((h, q), (hkv, t), (hkv, t)))
+    hide = torch.rand(1, h, q, t, generator=g) < 0.3
+    hide[..., 0] = False
+    bias = torch.where(hide, float("-inf"), torch.randn(1, h, q, t, generator=g))
+    kk, vv = keys[0].repeat_interleave(h // hkv, 0), values[0].repeat_interleave(h // hkv, 0)
+    ref = torch.softmax(query[0] @ kk.transpose(1, 2) * 0.125 + bias[0], -1) @ vv
+    c = lambda x: x.to("cuda", torch.bfloat16)  # noqa: E731
+    wide = torch.empty(1, h, q, t + 11, dtype=torch.bfloat16, device="cuda")[..., :t]
+    wide.copy_(bias)
+    out = grouped_attention(c(query), c(keys), c(values), wide, 0.125)
+    assert out.shape == (1, h, q, d) and torch.allclose(out[0].float().cpu(), ref, atol=3e-2)
+    same = efficient_attention(c(query), c(kk[None]), c(vv[None]), c(bias), 0.125)
+    assert torch.allclose(same[0].float().cpu(), ref, atol=3e-2)
+
+
 @pytest.mark.parametrize("layout", ["packed", "math"])
 def test_fixed_set_sdpa_layouts_equal_full_kv(monkeypatch, layout):
     """The fixed sets' other ways of making their SDPA call (fixed_set.SDPA_LAYOUT, for comparing kernels on a

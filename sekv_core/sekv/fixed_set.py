@@ -33,12 +33,10 @@ from .scout import Ranking
 SDPA_LAYOUT = "gqa"
 #: the same for a forward of several tokens (the question's, which fills the sets), None: SDPA_LAYOUT.  cuDNN builds
 #: its plan per new shape (tens to hundreds of ms, more where a kernel variant is compiled: docs/gpu.md, "The zoom
-#: tier's read"), and every question has its own length; "packed" is plain multi-head attention, which the
-#: memory-efficient kernel takes with no plan, but torch 2.11 on an H200 still picks cuDNN for it (a plan and a
-#: lazily loaded kernel for a new question length; docs/gpu.md, "The first token").  Choosing the kernel with
-#: torch.nn.attention.sdpa_kernel is not done: it sets process-wide flags, and the rehearsal threads' calls would
-#: change the backend under a question's (or leave cuDNN off).  benchmarks/cli_probe.py sets this from
-#: $SEKV_PROBE_FILL_SDPA, to compare on a device
+#: tier's read"), and every question has its own length; "packed" is plain multi-head attention, which
+#: :func:`grouped_attention` gives on CUDA to the memory-efficient kernel through its own operator (no plan; through
+#: SDPA torch 2.11 on an H200 picks cuDNN for it: docs/gpu.md, "The first token").  benchmarks/cli_probe.py sets
+#: this from $SEKV_PROBE_FILL_SDPA, to compare on a device
 FILL_SDPA_LAYOUT: str | None = "packed"
 
 #: the host's seconds in a fill's parts, summed over layers: the plan (made by the first layer), the fetch and
@@ -408,8 +406,28 @@ def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     _, h, q, d = query.shape
     hkv, t = keys.shape[1], keys.shape[2]
     g = h // hkv
-    if g == 1:
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
     qg = query.reshape(1, hkv, g * q, d)
-    mg = mask.expand(1, h, q, t).reshape(1, hkv, g * q, t)
+    mg = mask.expand(1, h, q, t).reshape(1, hkv, g * q, t) if g > 1 else mask.expand(1, h, q, t)
+    if qg.device.type == "cuda" and EFFICIENT_FILL:
+        return efficient_attention(qg, keys, values, mg, scaling).reshape(1, h, q, d)
     return F.scaled_dot_product_attention(qg, keys, values, attn_mask=mg, scale=scaling).reshape(1, h, q, d)
+
+
+#: grouped_attention on CUDA calls the memory-efficient kernel's own operator (efficient_attention), not SDPA's choice
+EFFICIENT_FILL = True
+
+
+def efficient_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Multi-head attention [1, H, q, d] over keys / values [1, H, T, d] under an additive mask [1, H, q, T], by CUDA's
+    memory-efficient kernel called through its own operator.  Through SDPA torch 2.11 picks cuDNN for this call on an
+    H200, whose plan is built on the host for every new question length (and its kernel loaded lazily): the question's
+    fill paid that on every ask.  Choosing the backend with torch.nn.attention.sdpa_kernel would set process-wide
+    flags under the rehearsal threads' calls; the operator chooses nothing.  The mask is laid out with its rows
+    padded to a multiple of 16 columns, as SDPA pads it for this kernel (it reads the bias with aligned loads)."""
+    t = keys.shape[2]
+    pad = -t % 16
+    if pad or mask.stride(-1) != 1 or mask.dtype != query.dtype:
+        laid = torch.empty(*mask.shape[:-1], t + pad, dtype=query.dtype, device=mask.device)
+        laid[..., :t].copy_(mask)
+        mask = laid[..., :t]
+    return torch.ops.aten._scaled_dot_product_efficient_attention(query, keys, values, mask, False, 0.0, False, scale=scaling)[0]
