@@ -70,7 +70,8 @@ def one_run(res, p, dev, prepared: bool) -> dict:
     from sekv_core.sekv import compress as sc
     from sekv_core.sekv.host_copies import HostArena
 
-    arena = HostArena(sc.host_bound(res.n_tokens, res.shape, p)).take() if dev.type == "cuda" else None
+    with torch.inference_mode(False):  # as `sekv ingest` makes it: the copies' threads write it outside inference mode
+        arena = HostArena(sc.host_bound(res.n_tokens, res.shape, p)).take() if dev.type == "cuda" else None
     prep = sc.Prepared(res.n_tokens, res.shape, p, dev).result() if prepared else None
     events = []
     sc.PROGRESS = lambda e, **k: events.append((e, time.perf_counter()))

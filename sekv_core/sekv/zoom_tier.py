@@ -305,7 +305,8 @@ class _Ring:
                 self.layout[p], at = (at, torch.float16, (m,)), at + 2 * m
         self.nbytes = -(-at // 8) * 8
         words = SLOTS * self.nbytes // 8
-        self.host = (fb.page_locked(words) if self.cuda else torch.empty(words, dtype=torch.int64)).view(torch.uint8).view(SLOTS, -1)
+        self.words = fb.page_locked(words) if self.cuda else torch.empty(words, dtype=torch.int64)
+        self.host = self.words.view(torch.uint8).view(SLOTS, -1)
         self.dev = torch.empty(SLOTS, self.nbytes, dtype=torch.uint8, device=device)
         self.ids = fb.page_locked(m) if self.cuda else torch.empty(m, dtype=torch.int64)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
@@ -313,6 +314,18 @@ class _Ring:
             self.dev.record_stream(self.stream)
         self.copied: list = [None] * SLOTS
         self.used: list = [None] * SLOTS
+
+    def copy_slot(self, s: int) -> None:
+        """Slot s's bytes to its device slot, on the current stream: on CUDA one copy per page-locked registration
+        the slot's range crosses (fb.pieces), each a direct DMA copy (one copy over the whole slot ran at pageable
+        speed on the H200: docs/gpu.md, "The first token")."""
+        if not self.cuda:
+            self.dev[s].copy_(self.host[s])
+            return
+        w = self.nbytes // 8
+        dev = self.dev.view(-1).view(torch.int64)
+        for x, y in fb.pieces(self.words, s * w, (s + 1) * w):
+            dev[x:y].copy_(self.words[x:y], non_blocking=True)
 
     def idle(self) -> bool:
         """No copy from this ring still in flight."""
@@ -402,12 +415,12 @@ class StagedRows:
                     with torch.cuda.stream(ring.stream):
                         if ring.used[s] is not None:
                             ring.stream.wait_event(ring.used[s])
-                        ring.dev[s].copy_(ring.host[s], non_blocking=True)
+                        ring.copy_slot(s)
                         ev = torch.cuda.Event()
                         ev.record(ring.stream)
                     ring.copied[s] = self.events[li] = ev
                 else:
-                    ring.dev[s].copy_(ring.host[s])
+                    ring.copy_slot(s)
                 self.stats["tier_bytes"] += ring.nbytes
                 self.owner[s] = li
                 self.staged[li] = True
