@@ -637,7 +637,9 @@ class BatchedStep:
         gathered per chunk, the logits of all its groups are one batched product, and each chunk writes its part of
         its layers' block logsumexps in place."""
         S, L, hkv = r.n_spans, len(ids), self.hkv
-        q_all = torch.stack(qs)  # [L, Hkv, M, d]
+        q_all = torch.stack(qs).mul_(scaling)  # [L, Hkv, M, d], scaled here once (not every chunk's logits)
+        if r.pre_rope:  # the keys are made with each RoPE pair side by side (:meth:`_scout_lse`): the queries alike
+            q_all = q_all[..., self._pairs_order(r.device)]
         other = torch.stack(others)  # [L, Hkv, M]
         m, n_max = q_all.shape[2], max(b.n_max for b in self.blocks)
         jobs = self._scout_jobs(ids, S, m, n_max)
@@ -650,12 +652,19 @@ class BatchedStep:
             l0 = ids.index(layers[0])
             if i0 == 0:  # the layers' block logsumexps [Lc, Hkv, S, blocks per span, M], filled by their chunks
                 lse = torch.empty(len(layers), hkv, S, tables["per_span"], m, device=r.device)
-            self._scout_lse(r, layers, q_all[l0 : l0 + len(layers)], i0, i1, scaling, tables, stream.rows(k), lse[:, :, i0:i1])
+            self._scout_lse(r, layers, q_all[l0 : l0 + len(layers)], i0, i1, tables, stream.rows(k), lse[:, :, i0:i1])
             stream.done(k)
             if i1 == S:  # the layers' last spans
                 out.append(scout.block_masses(lse.view(len(layers), hkv, -1, m), other[l0 : l0 + len(layers)])[:, tables["block_row"]])
                 lse = None
         return torch.cat(out) if len(out) > 1 else out[0]
+
+    def _pairs_order(self, dev) -> torch.Tensor:
+        """rope.pairs_order of the head dimension on dev, made once a device."""
+        held = self.__dict__.setdefault("_pairs", {})
+        if dev not in held:
+            held[dev] = rope.pairs_order(self.d).to(dev)
+        return held[dev]
 
     def _scout_chunk(self, n_pairs: int, per_pair: int) -> tuple[int, int]:
         """(pairs, layers) per chunk of the scout's scoring: float32 work tensors near SCOUT_CHUNK_BYTES (at least as
@@ -674,10 +683,10 @@ class BatchedStep:
         ns = -(-S // runs)
         return [([layer], i0, min(S, i0 + ns)) for layer in ids for i0 in range(0, S, ns)]
 
-    def _scout_lse(self, r: Residents, layers: list[int], q: torch.Tensor, i0: int, i1: int, scaling: float, t: dict,
+    def _scout_lse(self, r: Residents, layers: list[int], q: torch.Tensor, i0: int, i1: int, t: dict,
                    staged: dict, out: torch.Tensor) -> None:
-        """Logsumexps of the zoom blocks of spans i0..i1-1 of every group, for the layers' queries q [Lc, Hkv, M, d],
-        written into out [Lc, Hkv, i1 - i0, blocks per span, M]; a span's rows past its blocks give -inf.  r: the pack
+        """Logsumexps of the zoom blocks of spans i0..i1-1 of every group, for the layers' queries q [Lc, Hkv, M, d]
+        (scaled by the attention's scaling; in RoPE's pairs order for a pre-RoPE pack, as the keys are made), written into out [Lc, Hkv, i1 - i0, blocks per span, M]; a span's rows past its blocks give -inf.  r: the pack
         on the layers' device; staged: the layers' block rows of those spans already on it ([Hkv * (i1 - i0), stride],
         ScoutRows), by layer; the others are read where they are."""
         lc, hkv, ns = len(layers), self.hkv, i1 - i0
@@ -691,6 +700,8 @@ class BatchedStep:
             if rows is None:  # a view of the layer's blocks of those spans (blocks on the device, or read in place)
                 rows = b.src.view(hkv, -1, b.stride)[:, i0:i1].to(r.device, non_blocking=True).reshape(hkv * ns, b.stride)
             us, vt = fb.unpack(b, rows, torch.float32, side=0)  # the keys' factors only
+            if r.pre_rope:  # Vt's columns in RoPE's pairs (x1_j, x2_j): the keys come out so, rotated by one complex product
+                vt = vt[..., self._pairs_order(r.device)]
             if ragged:
                 flat[j, :, : b.n_max] = torch.matmul(us, vt)
             else:
@@ -703,10 +714,11 @@ class BatchedStep:
             else:
                 pos = t["pos"][i0:i1]
                 cos, sin = (x.view(*pos.shape, -1) for x in rope.cos_sin_half(pos.flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype))
-            rope.apply_half_(keys, cos, sin)  # in place: rope.apply's values, at most one more chunk-sized tensor alive
+            rope.apply_pairs_(keys, cos, sin)  # in place, one pass over the keys (made in RoPE's pairs order)
             del cos, sin
-        # [Lc, Hkv, ns * n_max, M]: one product for every group (no query gathered), the chunk's one big tensor
-        made = torch.matmul(keys.view(lc, hkv, ns * n_max, self.d), q.transpose(-1, -2)).mul_(scaling)
+        # [Lc, Hkv, ns * n_max, M]: one product for every group (no query gathered), the chunk's one big tensor; the
+        # queries came scaled
+        made = torch.matmul(keys.view(lc, hkv, ns * n_max, self.d), q.transpose(-1, -2))
         del keys  # worked in place from here
         logits = made.view(lc, hkv, ns, n_max, -1).masked_fill_(t["past"][i0:i1].unsqueeze(-1), float("-inf"))  # rows past each span's end
         if r.whole_spans:

@@ -53,15 +53,19 @@ def cos_sin_half(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float
     return cos, sin
 
 
-def apply_half_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """:func:`apply` in place on a float32 x [..., T, d] with :func:`cos_sin_half`'s tables [T, d/2]: the same
-    values (x1 c + (-x2) s is x1 c - x2 s exactly), two half-size temporaries instead of four whole ones."""
-    h = x.shape[-1] // 2
-    x1, x2 = x[..., :h], x[..., h:]
-    t, u = x2 * sin, x1 * sin
-    x1.mul_(cos).sub_(t)
-    del t
-    x2.mul_(cos).add_(u)
+def pairs_order(d: int, device=None) -> torch.Tensor:
+    """The head dimension's order with RoPE's pairs side by side: 0, d/2, 1, d/2 + 1, ... ([d] long)."""
+    h = d // 2
+    return torch.stack([torch.arange(h, device=device), torch.arange(h, 2 * h, device=device)], dim=1).flatten()
+
+
+def apply_pairs_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`apply` in place on a float32 x [..., T, d] whose last dimension is in :func:`pairs_order` (each pair
+    (x1_j, x2_j) side by side), with :func:`cos_sin_half`'s tables [T, d/2]: each pair times cos + i sin, one complex
+    product (x1 cos - x2 sin, x1 sin + x2 cos: rope.apply's values, permuted), one pass over x where the half-split
+    rotation takes six; the only temporary is the phases' table [T, d/2]."""
+    phase = torch.complex(cos.float(), sin.float())
+    torch.view_as_complex(x.view(*x.shape[:-1], x.shape[-1] // 2, 2)).mul_(phase)
     return x
 
 
