@@ -422,11 +422,12 @@ def efficient_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     memory-efficient kernel called through its own operator.  Through SDPA torch 2.11 picks cuDNN for this call on an
     H200, whose plan is built on the host for every new question length (and its kernel loaded lazily): the question's
     fill paid that on every ask.  Choosing the backend with torch.nn.attention.sdpa_kernel would set process-wide
-    flags under the rehearsal threads' calls; the operator chooses nothing.  The mask is laid out with its rows
-    padded to a multiple of 16 columns, as SDPA pads it for this kernel (it reads the bias with aligned loads)."""
+    flags under the rehearsal threads' calls; the operator chooses nothing.  The kernel reads the mask with aligned
+    loads (every stride but the last a multiple of 8 elements): a mask that is not so is laid out again with its rows
+    padded to a multiple of 16 columns, as SDPA pads it for this kernel."""
     t = keys.shape[2]
     pad = -t % 16
-    if pad or mask.stride(-1) != 1 or mask.dtype != query.dtype:
+    if mask.stride(-1) != 1 or any(st % 16 for st in mask.stride()[:-1]) or mask.dtype != query.dtype:
         laid = torch.empty(*mask.shape[:-1], t + pad, dtype=query.dtype, device=mask.device)
         laid[..., :t].copy_(mask)
         mask = laid[..., :t]

@@ -663,7 +663,7 @@ class BatchedStep:
         """rope.pairs_order of the head dimension on dev, made once a device."""
         held = self.__dict__.setdefault("_pairs", {})
         if dev not in held:
-            held[dev] = rope.pairs_order(self.d).to(dev)
+            held[dev] = rope.pairs_order(self.d, device=dev)  # made there: no copy from the host, no sync
         return held[dev]
 
     def _scout_chunk(self, n_pairs: int, per_pair: int) -> tuple[int, int]:
