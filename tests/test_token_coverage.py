@@ -112,7 +112,13 @@ def test_hand_ranking_and_cap_give_the_kept_blocks(batched, split, monkeypatch):
     hid = torch.tensor([0, r.n_full - 1])
     r.hidden.set(hid)
     logits = runtime.forward_logits(model, q, mem.n_tokens(), mem)
-    runtime.forward_logits(model, logits.argmax(-1), mem.n_tokens(), mem)  # a decode step: the first forward's sets are reported
+    # a decode step under another ranking (i1, i2 last) and no hidden columns: the first forward's are reported
+    mem.ranking.prio.copy_(-prio)
+    mem.ranking.version += 1
+    r.hidden.set(None)
+    runtime.forward_logits(model, logits.argmax(-1), mem.n_tokens(), mem)
+    now = mem.step.kept(0)
+    assert not bool(now[:, i1].any()) and bool(now.any())  # the step now holds other blocks
 
     full, spans = _pack_tables(store)
     z1 = set(range(int(r.block_start[i1]), int(r.block_start[i1]) + n1))
