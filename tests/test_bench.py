@@ -466,3 +466,43 @@ def test_cli_bench_corpus_niah(tiny_qwen, haystack, tmp_path):
     recs = runner.read_results(out / "results.jsonl")
     assert {r["task"] for r in recs} == {"corpus_niah"} and {r["method"] for r in recs} == {"full", "sekv"}
     assert "corpus_niah" in (out / "summary.md").read_text()
+
+
+def test_sekv_rows_carry_the_needles_coverage(lm, haystack, tmp_path):
+    """sekv's rows say what was read of each needle's tokens (ZoomMemory.token_coverage); other methods' say nothing.
+    The token range is the needle's text; at depth 100 the needle's end lies in the end window (its length from the
+    budget: sekv/compress.py lengths), read exact."""
+    from sekv_core.sekv.compress import lengths
+    cfg = _cfg(haystack, tasks=["niah", "mn_niah"], methods=["sekv"], budgets=[0.3], lengths=[512], depths=[0, 100], limit=2)
+    runner.run(lm, cfg, tmp_path / "run")
+    recs = runner.read_results(tmp_path / "run" / runner.RESULTS_FILE)
+    assert not [r for r in recs if r.get("error")]
+    assert all(r["needle_coverage"] is None for r in recs if r["method"] == "full")
+    ctxs = {(c.task, c.depth): c for c in runner.plan_contexts(lm.tokenizer, cfg)}
+    labels = {"exact", "zoomed", "partly zoomed", "coarse"}
+    rows = [r for r in recs if r["method"] == "sekv"]
+    assert {r["task"] for r in rows} == {"niah", "mn_niah"}
+    for r in rows:
+        ctx = ctxs[(r["task"], r["depth"])]
+        ids = prompt.encode(lm.tokenizer, prompt.document_prefix(lm.tokenizer, ctx.document))
+        cov = r["needle_coverage"]
+        assert len(cov["needles"]) == len(ctx.meta["needles"])
+        assert [n["asked"] for n in cov["needles"]] == [r["expected"][0] in x for x in ctx.meta["needles"]]
+        assert sum(n["asked"] for n in cov["needles"]) == 1
+        assert cov["n_blocks"] > 0 and 0 <= cov["kept_blocks"][0] <= cov["kept_blocks"][1] <= cov["n_blocks"]
+        for n, needle in zip(cov["needles"], ctx.meta["needles"]):
+            a, b = n["tokens"]
+            text = lm.tokenizer.decode(ids[a:b])
+            assert needle in text and len(text) <= len(needle) + 2, (text, needle)  # no token more than it takes
+            assert "".join(n["token_text"]) == text
+            assert len(n["resolution"]) == b - a and set(n["resolution"]) <= labels
+            assert sum(n["counts"][k] for k in labels if k in n["counts"]) == b - a
+            span_tokens = [x for x in n["resolution"] if x != "exact"]
+            assert len(n["blocks"]) >= (1 if span_tokens else 0)
+            for blk in n["blocks"]:
+                assert blk["end"] > a and blk["start"] < b and 0 <= blk["rank"] < cov["n_blocks"]
+            assert all(a < p < b for p in n["block_starts"])
+        window = lengths(len(ids), methods.get("sekv").resolve_params(r["params"]))[2]
+        in_window = [x for n in cov["needles"] for p, x in zip(range(*n["tokens"]), n["resolution"]) if p >= len(ids) - window]
+        assert in_window == ["exact"] * len(in_window)
+        assert bool(in_window) == (r["task"] == "niah" and r["depth"] == 100)

@@ -25,12 +25,14 @@ row records the factor (``rope_factor``: null for native).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import datetime as _dt
 import json
 import os
 import platform
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -227,6 +229,55 @@ def method_stats(extra: dict | None) -> dict | None:
     return out
 
 
+def needle_token_ranges(tok, ctx: tasks.Context, doc_text: str) -> list[tuple[int, int]] | None:
+    """Each needle's [start, end) token positions in the prefilled text ``doc_text`` (prompt.document_prefix of
+    ctx.document, tokenized as prompt.encode does): the tokens whose characters overlap the needle's (its char
+    offset in the document, ctx.meta["needle_offsets"]).  None for a context without needles."""
+    needles, offsets = ctx.meta.get("needles"), ctx.meta.get("needle_offsets")
+    if not needles or not offsets or len(needles) != len(offsets):
+        return None
+    head = len(prompt.document_header(tok))
+    if doc_text[head : head + len(ctx.document)] != ctx.document:
+        return None
+    spans = tok(doc_text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    ends = [b for _, b in spans]
+    out = []
+    for needle, off in zip(needles, offsets):
+        if ctx.document[off : off + len(needle)] != needle:
+            return None
+        c0, c1 = head + off, head + off + len(needle)
+        a = bisect.bisect_right(ends, c0)  # the first token ending after the needle's first character
+        b = a
+        while b < len(spans) and spans[b][0] < c1:
+            b += 1
+        out.append((a, b))
+    return out
+
+
+def needle_coverage(tok, ctx: tasks.Context, probe: tasks.Probe, ids: torch.Tensor, ranges, memory) -> dict:
+    """What sekv read of each needle's tokens at the answer's first forward (ZoomMemory.token_coverage): per needle
+    its tokens' resolution (exact / zoomed / partly zoomed / coarse), hidden flags, zoomed rows' source, its spans and
+    zoom blocks with their rank in the scout's ordering, and where blocks start inside it.  ``asked``: the needle holds
+    an expected answer (mn_niah: the probe's archive)."""
+    out, kept, n_blocks = [], None, None
+    for i, (needle, (a, b)) in enumerate(zip(ctx.meta["needles"], ranges)):
+        cov = memory.token_coverage(range(a, b))
+        kept, n_blocks = cov["kept_blocks"], cov["n_blocks"]
+        starts = {blk["start"] for blk in cov["blocks"].values()}
+        per_layer = cov["zoomed_per_layer"]
+        out.append({
+            "needle": i, "asked": any(e in needle for e in probe.expected), "text": needle, "tokens": [a, b],
+            "token_text": [tok.decode([t]) for t in ids[a:b].tolist()],
+            "resolution": cov["resolution"], "hidden": cov["hidden"], "zoom_source": cov["zoom_source"], "zoom_share": cov["zoom_share"],
+            "counts": dict(Counter(cov["resolution"]), hidden=sum(cov["hidden"])),
+            "spans": sorted({blk["span"] for blk in cov["blocks"].values()}),
+            "blocks": [{"block": k, **v} for k, v in sorted(cov["blocks"].items(), key=lambda kv: kv[1]["start"])],
+            "block_starts": sorted(p for p in starts if a < p < b),
+            "zoomed_per_layer": None if per_layer is None else [min(per_layer), max(per_layer)],
+        })
+    return {"n_blocks": n_blocks, "kept_blocks": kept, "needles": out}
+
+
 # ---------------------------------------------------------------------------------------------
 # running
 
@@ -301,6 +352,8 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
         reporter.context(ctx, len(pend))
         doc_text = prompt.document_prefix(tok, ctx.document)
         ids = torch.tensor(prompt.encode(tok, doc_text))
+        # the needles' token ranges, for sekv's needle_coverage (tasks with needles, a sekv cell pending)
+        ranges = needle_token_ranges(tok, ctx, doc_text) if any(variants.parse(m).method == "sekv" for _, m, _ in pend) else None
         past = window and ctx.n_tokens + max(len(q) + _max_new(cfg, p) for q, p in zip(q_ids[ci], ctx.probes)) > window
         # one prefill per RoPE scaling: the "window" methods at their YaRN factor first (full is the reference), with the
         # model switched back to native before anything else; then the rest at native RoPE (windowed past the window)
@@ -360,6 +413,10 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
                         t2 = time.perf_counter()
                         memory = open_memory(method, DictStore(tensors), params, shape, model)
                         open_s = time.perf_counter() - t2
+                        # sekv under a ranking keeps each answer's first kept sets, for needle_coverage (no forward added)
+                        covered = bool(ranges) and variant.method == "sekv" and getattr(memory, "ranking", None) is not None
+                        if covered:
+                            memory.record_kept = True
                         start = memory.n_tokens()
                     except SharedPrefillModified:
                         raise
@@ -381,6 +438,7 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
                             load = _load_avg()
                             ans_ids, stats = generate(model, memory, q_ids[ci][pi], max_new_tokens=_max_new(cfg, probe), stop_ids=stop_ids, question=probe.question)
                             extra = memory.step_stats().extra
+                            coverage = needle_coverage(tok, ctx, probe, ids, ranges, memory) if covered else None
                             memory.truncate(start)
                         except Exception as e:
                             msg = f"{label} on {ctx.task}/{ctx.length}/{ctx.depth}: {type(e).__name__}: {e}"
@@ -416,6 +474,7 @@ def run(lm: models.LoadedModel, cfg: BenchConfig, out_dir: str | Path, reporter:
                             gpu_peak_bytes=stats.gpu_peak_bytes,
                             rss_bytes=stats.rss_bytes,
                             method_stats=method_stats(extra),
+                            needle_coverage=coverage,
                             load_avg_1m=load,
                             time=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                         )

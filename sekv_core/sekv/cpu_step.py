@@ -25,9 +25,16 @@ class CpuStep:
         self.cap: int | None = None
         self.held: list[tuple | None] = [None] * res.shape.n_layers  # per layer: (keep, rows K, rows V, slot blocks)
         self.base: torch.Tensor | None = None  # re-positioned: the last layer's rotated base keys (the scout reads them)
+        self._kept: list[torch.Tensor | None] = [None] * res.shape.n_layers  # per layer: the last forward's keep [Hkv, B]
 
     def new_ask(self) -> None:
         self.held = [None] * self.res.shape.n_layers
+        self._kept = [None] * self.res.shape.n_layers
+
+    def kept(self, layer: int) -> torch.Tensor | None:
+        """The (KV group, zoom block) pairs the layer's last forward read at full resolution [Hkv, B] bool (None: no
+        forward this ask)."""
+        return self._kept[layer]
 
     def begin_forward(self, n_new: int) -> None:
         self.cap = self.ledger.layer_cap()
@@ -42,6 +49,7 @@ class CpuStep:
         r = self.res.at_layer(layer)  # the pack on the layer's device
         keys, values = r.kv.append(layer, key, value)
         keep, expanded = self._choose(r, layer, query)
+        self._kept[layer] = keep
         slots = None
         if r.layout is not None:  # re-positioned (sekv/positions.py): the base keys rotated to this kept set's slots
             base_slots, slots = r.layout.place(keep)

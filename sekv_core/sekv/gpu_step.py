@@ -412,6 +412,15 @@ class BatchedStep:
         if self.fixed is not None:
             self.fixed.fold_stats()
 
+    def kept(self, layer: int) -> torch.Tensor | None:
+        """Under a ranking, the (KV group, zoom block) pairs the layer's fixed set holds [Hkv, B] bool (a view,
+        refilled in place by the next fill): none where no slot is left; None where the set depends on the query
+        (per-layer routing)."""
+        r = self.res.at_layer(layer)
+        if self.U <= 0:
+            return torch.zeros(self.hkv, r.n_blocks, dtype=torch.bool, device=r.device)
+        return self.fixed.keep[layer] if self.fixed_key() is not None else None
+
     # -- the step -------------------------------------------------------------------------------------------
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:

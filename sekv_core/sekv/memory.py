@@ -66,6 +66,9 @@ class ZoomMemory(KVMemory):
         self._blocks, self._early = None, False
         #: the blocks the build kept in device memory, moved to pinned host memory in pauses (sekv/blocks.py HostPinning)
         self.pinning = None
+        #: what _record_kept saw: {"kept": per layer [Hkv, B] bool, "prio": the ranking [B], "hidden": the hidden columns}
+        self._kept_first: dict | None = None
+        self.record_kept = False
         if self.batched and blocks is not None:
             self._blocks = _Built(blocks)
         elif self.batched and BACKGROUND_BLOCKS:
@@ -73,6 +76,17 @@ class ZoomMemory(KVMemory):
             self._early = self._blocks is not None
             if self._blocks is None:
                 self._blocks = BlockBuild(res)
+
+    @property
+    def record_kept(self) -> bool:
+        """Keep each layer's kept (KV group, zoom block) pairs of an ask's first forward under a ranking, for
+        :meth:`token_coverage` (``sekv bench`` sets it; off, the default: nothing is kept, no work is added to an ask)."""
+        return self._record
+
+    @record_kept.setter
+    def record_kept(self, on: bool) -> None:
+        self._record = self._kept_pending = bool(on)  # from the next ranked forward on (and at each new ask: _new_ask)
+        self._kept_first = None
 
     def _step(self) -> CpuStep | BatchedStep:
         kind = BatchedStep if self.batched else CpuStep
@@ -187,6 +201,8 @@ class ZoomMemory(KVMemory):
             self.pinning.settle()
 
     def _new_ask(self) -> None:
+        if self.record_kept:  # the kept sets of this ask's first ranked forward (_attend)
+            self._kept_first, self._kept_pending = None, True
         self.ledger.reset()
         if self.res.zoom_tier is not None:
             self.res.zoom_tier.last = {}
@@ -277,11 +293,38 @@ class ZoomMemory(KVMemory):
         if layer == 0 and not self.res.kv.static:  # static steps: static_begin() did it
             self._begin_forward(query.shape[-2])
         out = self.step.attend(layer, query, key, value, scaling)
+        if self._kept_pending and self.ranking is not None and self.ranking.ranks():
+            self._record_kept(layer)
         if self.pinning is not None:  # in use: no page-locking starts now
             self.pinning.touch()
         if self.ranking is not None and self.ranking.scouting:
             self._scout_layer(layer, query, scaling)
         return out
+
+    def _record_kept(self, layer: int) -> None:
+        """record_kept: a copy of the layer's kept pairs in this ask's first ranked forward (the batched step's are
+        views that a later fill of the ask would write over)."""
+        if self._kept_first is None:  # the ranking and the hidden columns hold for the whole ask: taken once
+            self._kept_first = {"kept": [None] * self.shape.n_layers, "prio": self.ranking.prio.clone(), "hidden": self.res.hidden.cols}
+        kept = self.step.kept(layer)
+        self._kept_first["kept"][layer] = None if kept is None else kept.to(self.device, copy=True)
+        if layer == self.shape.n_layers - 1:
+            self._kept_pending = False
+
+    def token_coverage(self, positions) -> dict:
+        """What the last ask read of each document token position in ``positions``, at its answer's first forward
+        (sekv/coverage.py; needs ``record_kept`` set before the ask): per token ``resolution`` ("exact": a
+        full-resolution token; "zoomed": its zoom block read at full resolution by every layer and KV group;
+        "partly zoomed": by some; "coarse": its span read through the coarse entry only; "unknown": no ranked forward
+        was recorded), whether hidden for the question, where a zoomed block's rows came from, its span, block and the
+        block's place in the ranking."""
+        from .coverage import token_coverage
+
+        return token_coverage(self, positions)
+
+    def token_resolution(self, positions) -> list[str]:
+        """Each position's ``resolution`` of :meth:`token_coverage`."""
+        return self.token_coverage(positions)["resolution"]
 
     # -- static single-token steps (sekv_core/graphed_step.py) ----------------------------------------------
 
