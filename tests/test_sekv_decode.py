@@ -308,7 +308,10 @@ def test_blocks_built_a_run_at_a_time_are_the_same_words(int8, monkeypatch):
 
 def test_unpack_scales_in_place_as_a_product_does():
     """blocks.unpack scales its dequantised copies in place: the values of the codes times their scales (the previous
-    code's products), bit for bit, in the model dtype and float32, and the blocks' words untouched."""
+    code's products), bit for bit, in the model dtype and float32, and the blocks' words untouched; one side alone
+    (and its Vt in RoPE's pairs order) the same values."""
+    from sekv_core.sekv import rope
+
     lens = torch.tensor([3, 17, 33, 40, 64, 70, 100, 5])
     x = torch.randn(2, int(lens.sum()), 32, generator=torch.Generator().manual_seed(13))
     f = fz.stack_kv(fz.factorize(x, lens, energy=0.9, rank_max=16, int8=True), fz.factorize(x.flip(-1), lens, energy=0.95, rank_max=16, int8=True))
@@ -323,6 +326,12 @@ def test_unpack_scales_in_place_as_a_product_does():
         want_vt = by[:, oa : oa + 2 * rm * 32].view(torch.int8).reshape(p, 2, rm, 32).to(dtype) * by[:, ob : ob + 4 * rm].view(torch.float16).reshape(p, 2, rm, 1).to(dtype)
         want_us = by[:, od : od + nm * 2 * rm].view(torch.int8).reshape(p, nm, 2, rm).to(dtype) * by[:, oc : oc + 4 * nm].view(torch.float16).reshape(p, nm, 2, 1).to(dtype)
         assert torch.equal(vt, want_vt) and torch.equal(us, want_us.transpose(1, 2))
+        for side in (0, 1) if dtype == torch.float32 else ():  # one side alone (float32, as the scout reads it), and
+            # in RoPE's pairs order (the scout's keys): the same values, columns permuted
+            us1, vt1 = blocks.unpack(b, rows, dtype, side=side)
+            _, vtp = blocks.unpack(b, rows, dtype, side=side, pairs=True)
+            assert torch.equal(us1, want_us[:, :, side]) and torch.equal(vt1, want_vt[:, side])
+            assert torch.equal(vtp, want_vt[:, side][..., rope.pairs_order(32)])
     assert torch.equal(b.words, words)
 
 

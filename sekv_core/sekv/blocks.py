@@ -323,9 +323,11 @@ def gather(b: Blocks, pair: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     return rows.view(-1, b.stride)
 
 
-def unpack(b: Blocks, rows: torch.Tensor, dtype=torch.float32, side: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def unpack(b: Blocks, rows: torch.Tensor, dtype=torch.float32, side: int | None = None, pairs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Fetched rows -> dequantised (U*sigma [P, 2, n_max, r_max], Vt [P, 2, r_max, d]) in ``dtype``; ``side`` 0
     (K) or 1 (V): that side's alone, (U*sigma [P, n_max, r_max], Vt [P, r_max, d]), the other not converted.
+    ``pairs`` (with ``side``): Vt's columns in RoPE's pairs order (rope.pairs_order), laid out so by the conversion
+    itself (no copy more), so U*sigma @ Vt gives the rows in that order.
 
     Rows of U*sigma past a block's own length hold whatever the fetch repeated there (not zero): callers
     discard them.
@@ -336,7 +338,11 @@ def unpack(b: Blocks, rows: torch.Tensor, dtype=torch.float32, side: int | None 
     oa, ob, oc, od = b.sections
     by = rows.view(torch.uint8)
     if side is not None:  # the scales multiply in place in float32 (a half-precision factor: the same values as a copy)
-        vt = by[:, oa : oa + 2 * rm * d * es].view(dt).reshape(p, 2, rm, d)[:, side].to(dtype)
+        vt = by[:, oa : oa + 2 * rm * d * es].view(dt).reshape(p, 2, rm, d)[:, side]
+        if pairs:  # [P, r, 2, d/2] read as [P, r, d/2, 2]: column j of each half side by side
+            vt = torch.empty(p, rm, d // 2, 2, dtype=dtype, device=vt.device).copy_(vt.view(p, rm, 2, d // 2).transpose(-1, -2)).view(p, rm, d)
+        else:
+            vt = vt.to(dtype)
         us = by[:, od : od + nm * 2 * rm * es].view(dt).reshape(p, nm, 2, rm)[:, :, side].to(dtype)
         if b.int8:
             vt.mul_(by[:, ob : ob + 2 * rm * 2].view(torch.float16).reshape(p, 2, rm, 1)[:, side])

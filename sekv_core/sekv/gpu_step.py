@@ -708,9 +708,9 @@ class BatchedStep:
             rows = staged.get(layer)
             if rows is None:  # a view of the layer's blocks of those spans (blocks on the device, or read in place)
                 rows = b.src.view(hkv, -1, b.stride)[:, i0:i1].to(r.device, non_blocking=True).reshape(hkv * ns, b.stride)
-            us, vt = fb.unpack(b, rows, torch.float32, side=0)  # the keys' factors only
-            if r.pre_rope:  # Vt's columns in RoPE's pairs (x1_j, x2_j): the keys come out so, rotated by one complex product
-                vt = vt[..., self._pairs_order(r.device)]
+            # the keys' factors only; for a pre-RoPE pack Vt's columns in RoPE's pairs order (x1_j, x2_j side by side),
+            # converted into it: the keys come out so, rotated by one complex product
+            us, vt = fb.unpack(b, rows, torch.float32, side=0, pairs=r.pre_rope)
             if ragged:
                 flat[j, :, : b.n_max] = torch.matmul(us, vt)
             else:
@@ -718,13 +718,13 @@ class BatchedStep:
             del us, vt, rows
         del staged, flat
         if r.pre_rope:  # each row at its token's position (re-positioned: where its block sits zoomed alone)
-            if "cos_sin" in t:
-                cos, sin = t["cos_sin"][:, i0:i1]  # [ns, n_max, d / 2] each, every group's (16-bit: exact as float32)
+            if "phase" in t:
+                phase = t["phase"][i0:i1]  # [ns, n_max, d / 2, 2], every group's (16-bit: exact as float32)
             else:
                 pos = t["pos"][i0:i1]
-                cos, sin = (x.view(*pos.shape, -1) for x in rope.cos_sin_half(pos.flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype))
-            rope.apply_pairs_(keys, cos, sin)  # in place, one pass over the keys (made in RoPE's pairs order)
-            del cos, sin
+                phase = rope.pairs_phase(*rope.cos_sin_half(pos.flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype)).view(*pos.shape, -1, 2)
+            rope.apply_pairs_(keys, phase)  # in place, one pass over the keys (made in RoPE's pairs order)
+            del phase
         # [Lc, Hkv, ns * n_max, M]: one product for every group (no query gathered), the chunk's one big tensor; the
         # queries came scaled
         made = torch.matmul(keys.view(lc, hkv, ns * n_max, self.d), q.transpose(-1, -2))
@@ -774,13 +774,14 @@ class BatchedStep:
 
     def _scout_rotation(self, r: Residents, pos: torch.Tensor) -> dict:
         """The rotation of every row of the scout's layout (pos [S, n_max]) for one pass, where the table takes at most
-        SCOUT_CHUNK_BYTES: {"cos_sin": [2, S, n_max, d / 2]} (cos, sin), held in the model's dtype where that is 16-bit
-        (rope.cos_sin_half's values are that dtype's: exact there, half the bytes); else {} (a chunk's at a time)."""
+        SCOUT_CHUNK_BYTES: {"phase": [S, n_max, d / 2, 2]} (rope.pairs_phase: each (cos, sin) pair side by side, a chunk's
+        rows one float32 copy from the complex factor its rotation multiplies by), held in the model's dtype where that is
+        16-bit (rope.cos_sin_half's values are that dtype's: exact there, half the bytes); else {} (a chunk's at a time)."""
         dt = r.shape.dtype if r.shape.dtype.itemsize < 4 else torch.float32
         if pos.numel() * self.d * dt.itemsize > SCOUT_CHUNK_BYTES:
             return {}
         cos, sin = rope.cos_sin_half(pos.flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype)
-        return {"cos_sin": torch.stack([cos.to(dt), sin.to(dt)]).view(2, *pos.shape, -1)}
+        return {"phase": rope.pairs_phase(cos.to(dt), sin.to(dt)).view(*pos.shape, -1, 2)}
 
     def _span_blocks(self, r: Residents) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
         """(first zoom block of each span [S], its number of blocks [S], the most blocks a span has, the block-within-

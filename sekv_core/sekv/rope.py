@@ -59,13 +59,18 @@ def pairs_order(d: int, device=None) -> torch.Tensor:
     return torch.stack([torch.arange(h, device=device), torch.arange(h, 2 * h, device=device)], dim=1).flatten()
 
 
-def apply_pairs_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def pairs_phase(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`cos_sin_half`'s tables [..., d/2] as one table [..., d/2, 2] of (cos, sin) pairs, in their dtype: its float32
+    copy viewed as complex (``torch.view_as_complex``) is the rotation :func:`apply_pairs_` multiplies by."""
+    return torch.stack([cos, sin], dim=-1)
+
+
+def apply_pairs_(x: torch.Tensor, phase: torch.Tensor) -> torch.Tensor:
     """:func:`apply` in place on a float32 x [..., T, d] whose last dimension is in :func:`pairs_order` (each pair
-    (x1_j, x2_j) side by side), with :func:`cos_sin_half`'s tables [T, d/2]: each pair times cos + i sin, one complex
+    (x1_j, x2_j) side by side), with :func:`pairs_phase`'s table [T, d/2, 2]: each pair times cos + i sin, one complex
     product (x1 cos - x2 sin, x1 sin + x2 cos: rope.apply's values, permuted), one pass over x where the half-split
-    rotation takes six; the only temporary is the phases' table [T, d/2]."""
-    phase = torch.complex(cos.float(), sin.float())
-    torch.view_as_complex(x.view(*x.shape[:-1], x.shape[-1] // 2, 2)).mul_(phase)
+    rotation takes six; the only temporary is the table's float32 copy."""
+    torch.view_as_complex(x.view(*x.shape[:-1], x.shape[-1] // 2, 2)).mul_(torch.view_as_complex(phase.float()))
     return x
 
 
