@@ -24,6 +24,7 @@ the block tables are all counted as resident, allocated or not filled.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import torch
@@ -41,6 +42,28 @@ from .scout import Ranking
 #: transient (the 0.5B at 4K: 8 layers a chunk; at 30K: a layer in two chunks; the 8B shape at 128K: a layer in
 #: many); also the question's chunk of queries in a per-layer-routed forward
 SCOUT_CHUNK_BYTES = 64 << 20
+
+#: the scout's block scoring by one fused Triton kernel a layer and chunk (sekv/scout_kernel.py: the keys, their
+#: rotation and logits never materialised, so a chunk's work tensors are only the unpacked factors) instead of the
+#: PyTorch path's ~19 kernels a chunk.  Used on CUDA where triton imports (and on the CPU under TRITON_INTERPRET=1:
+#: the tests); off until measured on the device (docs/gpu.md "The question's reads, profiled")
+SCOUT_FUSED = False
+_SCOUT_KERNEL: list = []  # [the module, or None where triton does not import], once tried
+
+
+def scout_kernel(device, d: int):
+    """sekv/scout_kernel.py where SCOUT_FUSED is on and its kernel runs on ``device`` for head_dim ``d``; else None."""
+    device = torch.device(device)
+    if not SCOUT_FUSED or not (device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")):
+        return None
+    if not _SCOUT_KERNEL:
+        try:
+            from . import scout_kernel as sk
+        except Exception:  # no triton, or one that does not work here: the PyTorch path
+            sk = None
+        _SCOUT_KERNEL.append(sk)
+    sk = _SCOUT_KERNEL[0]
+    return sk if sk is not None and sk.supported(d) else None
 
 
 #: BlockBuild on one CUDA device: the factor blocks that may stay in device memory after their build, as a share of
@@ -651,8 +674,12 @@ class BatchedStep:
             q_all = q_all[..., self._pairs_order(r.device)]
         other = torch.stack(others)  # [L, Hkv, M]
         m, n_max = q_all.shape[2], max(b.n_max for b in self.blocks)
-        jobs = self._scout_jobs(ids, S, m, n_max)
-        tables = dict(self._scout_tables(r, n_max))
+        fused = scout_kernel(r.device, self.d)
+        jobs = self._scout_jobs(ids, S, m, n_max, fused is not None)
+        held = self._scout_tables(r, n_max)
+        if fused is not None and "start" not in held:  # each (span, block)'s rows, what the kernel reads
+            held["start"], held["length"] = fused.block_tables(held["row_block"], held["per_span"])
+        tables = dict(held)
         if r.pre_rope:  # every row's rotation once for the pass where it is small, else a chunk's at a time
             tables.update(self._scout_rotation(r, tables["pos"]))
         stream = ScoutRows(self.blocks, jobs, S, r.device)
@@ -661,7 +688,7 @@ class BatchedStep:
             l0 = ids.index(layers[0])
             if i0 == 0:  # the layers' block logsumexps [Lc, Hkv, S, blocks per span, M], filled by their chunks
                 lse = torch.empty(len(layers), hkv, S, tables["per_span"], m, device=r.device)
-            self._scout_lse(r, layers, q_all[l0 : l0 + len(layers)], i0, i1, tables, stream.rows(k), lse[:, :, i0:i1])
+            self._scout_lse(r, layers, q_all[l0 : l0 + len(layers)], i0, i1, tables, stream.rows(k), lse[:, :, i0:i1], fused)
             stream.done(k)
             if i1 == S:  # the layers' last spans
                 out.append(scout.block_masses(lse.view(len(layers), hkv, -1, m), other[l0 : l0 + len(layers)])[:, tables["block_row"]])
@@ -681,11 +708,15 @@ class BatchedStep:
         pairs = max(self.P, 64, SCOUT_CHUNK_BYTES // max(per_pair, 1))
         return pairs, max(1, pairs // max(n_pairs, 1))
 
-    def _scout_jobs(self, ids: list[int], S: int, m: int, n_max: int) -> list[tuple[list[int], int, int]]:
+    def _scout_jobs(self, ids: list[int], S: int, m: int, n_max: int, fused: bool = False) -> list[tuple[list[int], int, int]]:
         """The scoring's chunks: (layers, i0, i1), spans i0..i1-1 of every KV group of the layers, about the pairs
-        :meth:`_scout_chunk` allows (whole layers where they fit, else a layer's spans in equal runs)."""
+        :meth:`_scout_chunk` allows (whole layers where they fit, else a layer's spans in equal runs).  A pair's work
+        tensors: its keys and logits (each near the bound), or with the fused kernel (``fused``) its float32 factors
+        alone (U*sigma and Vt together near the bound: the chunk's staged rows, two buffers of about as many bytes,
+        grow with it)."""
         r_max = max(b.r_max for b in self.blocks)
-        pairs, n_layers = self._scout_chunk(self.hkv * S, 4 * n_max * max(self.d, m, 2 * r_max))
+        per_pair = 4 * r_max * (n_max + self.d) if fused else 4 * n_max * max(self.d, m, 2 * r_max)
+        pairs, n_layers = self._scout_chunk(self.hkv * S, per_pair)
         if n_layers > 1 or pairs >= self.hkv * S:
             return [(ids[l0 : l0 + n_layers], 0, S) for l0 in range(0, len(ids), n_layers)]
         runs = -(-S // max(1, pairs // self.hkv))
@@ -693,36 +724,35 @@ class BatchedStep:
         return [([layer], i0, min(S, i0 + ns)) for layer in ids for i0 in range(0, S, ns)]
 
     def _scout_lse(self, r: Residents, layers: list[int], q: torch.Tensor, i0: int, i1: int, t: dict,
-                   staged: dict, out: torch.Tensor) -> None:
+                   staged: dict, out: torch.Tensor, fused=None) -> None:
         """Logsumexps of the zoom blocks of spans i0..i1-1 of every group, for the layers' queries q [Lc, Hkv, M, d]
         (scaled by the attention's scaling; in RoPE's pairs order for a pre-RoPE pack, as the keys are made), written into out [Lc, Hkv, i1 - i0, blocks per span, M]; a span's rows past its blocks give -inf.  r: the pack
         on the layers' device; staged: the layers' block rows of those spans already on it ([Hkv * (i1 - i0), stride],
-        ScoutRows), by layer; the others are read where they are."""
+        ScoutRows), by layer; the others are read where they are.  ``fused``: sekv/scout_kernel.py, one kernel a layer
+        from the unpacked factors (:func:`scout_kernel`), else the PyTorch path."""
+        if fused is not None:
+            phase = self._scout_phase(r, t, i0, i1) if r.pre_rope else None
+            start, length = t["start"][i0:i1], t["length"][i0:i1]
+            for j, layer in enumerate(layers):
+                us, vt = self._scout_factors(r, layer, i0, i1, staged)
+                fused.block_lse(us, vt, q[j], start, length, out[j], phase=phase)
+                del us, vt
+            return
         lc, hkv, ns = len(layers), self.hkv, i1 - i0
         n_max = t["row_block"].shape[1]
         ragged = any(self.blocks[layer].n_max != n_max for layer in layers)
         keys = (torch.zeros if ragged else torch.empty)(lc, hkv, ns, n_max, self.d, device=r.device)
         flat = keys.view(lc, hkv * ns, n_max, self.d)  # the pairs in the blocks' order (group-major)
         for j, layer in enumerate(layers):
-            b = self.blocks[layer]
-            rows = staged.get(layer)
-            if rows is None:  # a view of the layer's blocks of those spans (blocks on the device, or read in place)
-                rows = b.src.view(hkv, -1, b.stride)[:, i0:i1].to(r.device, non_blocking=True).reshape(hkv * ns, b.stride)
-            # the keys' factors only; for a pre-RoPE pack Vt's columns in RoPE's pairs order (x1_j, x2_j side by side),
-            # converted into it: the keys come out so, rotated by one complex product
-            us, vt = fb.unpack(b, rows, torch.float32, side=0, pairs=r.pre_rope)
+            us, vt = self._scout_factors(r, layer, i0, i1, staged)
             if ragged:
-                flat[j, :, : b.n_max] = torch.matmul(us, vt)
+                flat[j, :, : self.blocks[layer].n_max] = torch.matmul(us, vt)
             else:
                 torch.matmul(us, vt, out=flat[j])  # rows past a span's n_i are masked below
-            del us, vt, rows
+            del us, vt
         del staged, flat
         if r.pre_rope:  # each row at its token's position (re-positioned: where its block sits zoomed alone)
-            if "phase" in t:
-                phase = t["phase"][i0:i1]  # [ns, n_max, d / 2, 2], every group's (16-bit: exact as float32)
-            else:
-                pos = t["pos"][i0:i1]
-                phase = rope.pairs_phase(*rope.cos_sin_half(pos.flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype)).view(*pos.shape, -1, 2)
+            phase = self._scout_phase(r, t, i0, i1)
             rope.apply_pairs_(keys, phase)  # in place, one pass over the keys (made in RoPE's pairs order)
             del phase
         # [Lc, Hkv, ns * n_max, M]: one product for every group (no query gathered), the chunk's one big tensor; the
@@ -739,6 +769,25 @@ class BatchedStep:
         ex = logits.sub_(mx).exp_()
         sums = torch.zeros_like(out).scatter_add_(3, t["row_block0"][i0:i1].unsqueeze(-1).expand_as(ex), ex)
         torch.add(sums.log_(), mx, out=out)  # a span's missing blocks: log 0 = -inf
+
+    def _scout_factors(self, r: Residents, layer: int, i0: int, i1: int, staged: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys' factors of spans i0..i1-1 of every group, float32 (U*sigma [Hkv * ns, n_max, r], Vt
+        [Hkv * ns, r, d], group-major); for a pre-RoPE pack Vt's columns in RoPE's pairs order (x1_j, x2_j side by
+        side), converted into it: the keys come out so, rotated by one complex product.  staged: as :meth:`_scout_lse`."""
+        b = self.blocks[layer]
+        rows = staged.get(layer)
+        if rows is None:  # a view of the layer's blocks of those spans (blocks on the device, or read in place)
+            rows = b.src.view(self.hkv, -1, b.stride)[:, i0:i1].to(r.device, non_blocking=True).reshape(self.hkv * (i1 - i0), b.stride)
+        return fb.unpack(b, rows, torch.float32, side=0, pairs=r.pre_rope)
+
+    @staticmethod
+    def _scout_phase(r: Residents, t: dict, i0: int, i1: int) -> torch.Tensor:
+        """The rotation of the rows of spans i0..i1-1 [ns, n_max, d / 2, 2] (rope.pairs_phase): the pass's table's
+        slice where it was made (:meth:`_scout_rotation`; 16-bit: exact as float32), else made for these spans."""
+        if "phase" in t:
+            return t["phase"][i0:i1]
+        pos = t["pos"][i0:i1]
+        return rope.pairs_phase(*rope.cos_sin_half(pos.flatten(), r.inv_freq, r.rope_scaling, dtype=r.shape.dtype)).view(*pos.shape, -1, 2)
 
     def _scout_tables(self, r: Residents, n_max: int) -> dict:
         """What the scout's scoring reads and no question changes, computed once: each row's block within its span
