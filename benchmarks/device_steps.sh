@@ -14,7 +14,7 @@
 #   t      the CUDA tests -> $OUT/cuda.log
 #   g8     gpu_cli on the 8B shape, sekv and full (LENS, default 131072; PAUSE, default 10)
 #   conv   join the real 0.5B's parts in /var/tmp/m, check the sha256 and convert it (once a lease)
-#   n17    the long-document needle cell with its coverage (NIAH_ARGS to change it)
+#   n17    the long-document needle cell with its coverage (NIAH_ARGS, SEED to change it)
 set -u
 export PYTHONPATH=$PWD:/var/tmp/site SEKV_HOME=/var/tmp/sekv
 PY=python3
@@ -65,7 +65,7 @@ PY
     fi ;;
   n17)
     $PY -m sekv_cli.app bench niah ${NIAH_ARGS:---methods sekv,sekv:zoom_tier=exact,rag --budgets 0.1 --lengths 128K --depths 25} \
-      --model qwen2.5-0.5b --device cuda --haystack $PWD/.carry/hay --seed 0 --out /var/tmp/n17 2>&1 | tail -15
+      --model qwen2.5-0.5b --device cuda --haystack $PWD/.carry/hay --seed ${SEED:-0} --out /var/tmp/n17 2>&1 | tail -15
     cp /var/tmp/n17/results.jsonl $OUT/n17.jsonl ;;
   *) echo "unknown step $step" ;;
   esac
