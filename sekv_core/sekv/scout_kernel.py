@@ -37,11 +37,13 @@ import triton.language as tl
 
 @triton.jit
 def _block_lse_kernel(
-    US, VT, Q, PH, START, LEN, OUT,
+    U, V, USC, VSC, Q, PH, START, LEN, OUT,
     NS, PER, M, R,
-    s_up, s_un, s_ur, s_vp, s_vr, s_vd, s_qg, s_qm, s_qd, s_ps, s_pn, s_og, s_os, s_ok,
+    o_u, o_v, o_us, o_vs,
+    u_g, u_s, u_n, u_r, v_g, v_s, v_r, v_d, us_g, us_s, us_n, vs_g, vs_s, vs_r,
+    s_qg, s_qm, s_qd, s_ps, s_pn, s_og, s_os, s_ok,
     D2: tl.constexpr, RP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ROPE: tl.constexpr,
-    PREC: tl.constexpr,
+    HALVES: tl.constexpr, SCALED: tl.constexpr, PREC: tl.constexpr,
 ):
     p = tl.program_id(0).to(tl.int64)  # the pair: its Vt and its group's queries loaded once for all its blocks
     mt = tl.program_id(1)
@@ -52,11 +54,25 @@ def _block_lse_kernel(
     offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = offs_r < R
     mmask = offs_m < M
+    u_p = U + o_u + g * u_g + s * u_s  # the pair's U*sigma (its side 0 where the rows hold both)
+    us_p = USC + o_us + g * us_g + s * us_s  # its rows' scales (SCALED)
 
-    # the pair's Vt as its even and odd columns [RP, D2] (rows past the rank: 0)
-    v_ptr = VT + p * s_vp + offs_r[:, None] * s_vr + (2 * offs_j)[None, :] * s_vd
-    v_e = tl.load(v_ptr, mask=rmask[:, None], other=0.0)
-    v_o = tl.load(v_ptr + s_vd, mask=rmask[:, None], other=0.0)
+    # the pair's Vt as the keys' x1 and x2 columns of each RoPE pair [RP, D2] (rows past the rank: 0): the first and
+    # second halves of a pre-RoPE block's own columns (HALVES), else the even and odd columns (as given: in the pairs
+    # order for a pre-RoPE pack's unpacked factors, any order of the queries' for keys stored rotated)
+    if HALVES:
+        c_e = offs_j
+        c_o = offs_j + D2
+    else:
+        c_e = 2 * offs_j
+        c_o = 2 * offs_j + 1
+    v_p = V + o_v + g * v_g + s * v_s + offs_r[:, None] * v_r
+    v_e = tl.load(v_p + c_e[None, :] * v_d, mask=rmask[:, None], other=0).to(tl.float32)
+    v_o = tl.load(v_p + c_o[None, :] * v_d, mask=rmask[:, None], other=0).to(tl.float32)
+    if SCALED:  # int8 codes times their component's scale: float32 products, as blocks.unpack's
+        vsc = tl.load(VSC + o_vs + g * vs_g + s * vs_s + offs_r * vs_r, mask=rmask, other=0).to(tl.float32)
+        v_e = v_e * vsc[:, None]
+        v_o = v_o * vsc[:, None]
     # the group's queries, transposed, their even and odd columns [D2, BLOCK_M]
     q_ptr = Q + g * s_qg + offs_m[None, :] * s_qm + (2 * offs_j)[:, None] * s_qd
     q_e = tl.load(q_ptr, mask=mmask[None, :], other=0.0)
@@ -71,7 +87,10 @@ def _block_lse_kernel(
             rows = n0 + tl.arange(0, BLOCK_N)
             nmask = rows < ln
             row = start + rows  # within the span
-            u = tl.load(US + p * s_up + row[:, None] * s_un + offs_r[None, :] * s_ur, mask=nmask[:, None] & rmask[None, :], other=0.0)
+            u = tl.load(u_p + row[:, None] * u_n + offs_r[None, :] * u_r, mask=nmask[:, None] & rmask[None, :], other=0).to(tl.float32)
+            if SCALED:  # each row's codes times its scale
+                usc = tl.load(us_p + row * us_n, mask=nmask, other=0).to(tl.float32)
+                u = u * usc[:, None]
             k_e = tl.dot(u, v_e, input_precision=PREC)  # [BLOCK_N, D2]: x1 of each RoPE pair
             k_o = tl.dot(u, v_o, input_precision=PREC)  # x2
             if ROPE:
@@ -121,7 +140,8 @@ def block_tables(row_block: torch.Tensor, per_span: int) -> tuple[torch.Tensor, 
 
 def block_lse(us: torch.Tensor, vt: torch.Tensor, q: torch.Tensor, start: torch.Tensor, length: torch.Tensor,
               out: torch.Tensor, phase: torch.Tensor | None = None, precision: str | None = None) -> torch.Tensor:
-    """The logsumexps of one layer's zoom blocks for a chunk of ns spans of every KV group, written into ``out``.
+    """The logsumexps of one layer's zoom blocks for a chunk of ns spans of every KV group, written into ``out``, from
+    unpacked factors (:func:`block_lse_rows` reads the blocks' rows themselves; this is its float32 counterpart).
 
     us [P, n_max, r], vt [P, r, d]: float32 factors of the keys of the P = Hkv * ns (group, span) pairs, group-major
     (blocks.unpack side 0; for a pre-RoPE pack with ``pairs``: the keys' columns in rope.pairs_order).  q [Hkv, M, d]
@@ -134,30 +154,78 @@ def block_lse(us: torch.Tensor, vt: torch.Tensor, q: torch.Tensor, start: torch.
     P, _, r = us.shape
     hkv, m, d = q.shape
     ns, per = start.shape
+    if P != hkv * ns or vt.shape != (P, r, d):
+        raise ValueError("block_lse: inconsistent shapes")
+    if us.dtype != torch.float32 or vt.dtype != torch.float32:
+        raise ValueError("block_lse: float32 factors")
+    su, sv = us.stride(), vt.stride()
+    return _launch(us, vt, us, us, (0, 0, 0, 0), (ns * su[0], su[0], su[1], su[2]), (ns * sv[0], sv[0], sv[1], sv[2]),
+                   (0, 0, 0), (0, 0, 0), r, False, False, q, start, length, out, phase, precision)
+
+
+def block_lse_rows(b, rows: torch.Tensor, q: torch.Tensor, start: torch.Tensor, length: torch.Tensor, out: torch.Tensor,
+                   phase: torch.Tensor | None = None, pairs: bool | None = None, precision: str | None = None) -> torch.Tensor:
+    """:func:`block_lse` read from the layer's factor-block rows themselves (b: its blocks.Blocks), their key side
+    dequantised in registers: int8 codes times their float16 scales, or float16 / bfloat16 factors, as float32 (the
+    values blocks.unpack(b, rows, torch.float32, side=0) gives, each code's product the same float32 multiply).
+
+    rows [Hkv, ns, b.stride] int64 (or [Hkv * ns, b.stride]), group-major: the blocks of the chunk's spans of every KV
+    group, as fetched or staged (gpu_step.ScoutRows) or a view of the blocks where they lie (any strides but the
+    words'); nothing is unpacked into a tensor.  ``pairs`` (None: where ``phase`` is given): the keys are made in
+    RoPE's pairs order, Vt's columns j and d/2 + j read as each pair's x1 and x2 (q in rope.pairs_order, as for
+    blocks.unpack(pairs=True)); else Vt's columns as stored (q in the same order).  The rest as :func:`block_lse`."""
+    hkv, m, d = q.shape
+    ns = start.shape[0]
+    if rows.dim() == 2 and rows.shape[0] == hkv * ns:
+        rows = rows.view(hkv, ns, rows.shape[1])
+    if rows.dtype != torch.int64 or rows.shape != (hkv, ns, b.stride) or (rows.numel() and rows.stride(-1) != 1) or d != b.d:
+        raise ValueError("block_lse_rows: rows [Hkv, ns, stride] int64 of the blocks, words contiguous, queries of their head_dim")
+    if rows.numel() == 0:
+        return _launch(None, None, None, None, None, None, None, None, None, 0, False, False, q, start, length, out, phase, precision)
+    es = b.dtype.itemsize
+    oa, ob, oc, od = b.sections
+    rm = b.r_max
+    f = rows.view(b.dtype)  # [Hkv, ns, stride * 8 / es]: the factors (and in int8, the scales' bytes among them)
+    sc = rows.view(torch.float16) if b.int8 else f  # the scales (not read without int8)
+    pairs = phase is not None if pairs is None else pairs
+    # U*sigma [n, 2, r] at od (side 0: each row's first r), Vt [2, r, d] at oa (side 0 first), us_scale [n, 2] at oc,
+    # vt_scale [2, r] at ob: element offsets into each view
+    return _launch(f, f, sc, sc, (od // es, oa // es, oc // 2 if b.int8 else 0, ob // 2 if b.int8 else 0),
+                   (f.stride(0), f.stride(1), 2 * rm, 1), (f.stride(0), f.stride(1), d, 1),
+                   (sc.stride(0), sc.stride(1), 2), (sc.stride(0), sc.stride(1), 1), rm, bool(pairs), b.int8,
+                   q, start, length, out, phase, precision)
+
+
+def _launch(u, v, usc, vsc, offs, su, sv, sus, svs, r, halves, scaled, q, start, length, out, phase, precision):
+    """The kernel's launch for P = Hkv * ns pairs: u / v / usc / vsc what U*sigma, Vt and their scales are read from,
+    offs their element offsets, su (group, span, row, rank), sv (group, span, rank, column), sus (group, span, row),
+    svs (group, span, rank) their strides in elements; r the rank (rows past it are not read)."""
+    hkv, m, d = q.shape
+    ns, per = start.shape
     if not supported(d):
         raise ValueError(f"the scout kernel needs an even head_dim whose half is a power of two >= 16, not {d}")
-    if P != hkv * ns or vt.shape != (P, r, d) or out.shape != (hkv, ns, per, m) or length.shape != start.shape:
+    if out.shape != (hkv, ns, per, m) or length.shape != start.shape:
         raise ValueError("block_lse: inconsistent shapes")
-    if out.stride(-1) != 1 or q.dtype != torch.float32 or us.dtype != torch.float32 or vt.dtype != torch.float32:
-        raise ValueError("block_lse: float32 factors and queries, an output with a contiguous last dimension")
-    if P == 0 or per == 0 or m == 0:
+    if out.stride(-1) != 1 or q.dtype != torch.float32:
+        raise ValueError("block_lse: float32 queries, an output with a contiguous last dimension")
+    if hkv * ns == 0 or per == 0 or m == 0:
         return out
     if precision is None:
-        precision = "tf32" if us.is_cuda and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+        precision = "tf32" if q.is_cuda and torch.backends.cuda.matmul.allow_tf32 else "ieee"
     rope = phase is not None
     if rope and (phase.shape[0] != ns or phase.shape[2:] != (d // 2, 2) or phase.stride(-1) != 1 or phase.stride(-2) != 2):
         raise ValueError("block_lse: phase [ns, n_max, d/2, 2] with its last two dimensions contiguous")
-    ph = phase if rope else us  # not read without RoPE
+    ph = phase if rope else q  # not read without RoPE
     block_m = min(64, _pow2(m))
     start, length = start.to(torch.int32).contiguous(), length.to(torch.int32).contiguous()
-    _block_lse_kernel[(P, triton.cdiv(m, block_m))](
-        us, vt, q, ph, start, length, out,
+    _block_lse_kernel[(hkv * ns, triton.cdiv(m, block_m))](
+        u, v, usc, vsc, q, ph, start, length, out,
         ns, per, m, r,
-        us.stride(0), us.stride(1), us.stride(2), vt.stride(0), vt.stride(1), vt.stride(2),
+        *offs, *su, *sv, *sus, *svs,
         q.stride(0), q.stride(1), q.stride(2),
         ph.stride(0) if rope else 0, ph.stride(1) if rope else 0,
         out.stride(0), out.stride(1), out.stride(2),
-        D2=d // 2, RP=_pow2(r), BLOCK_N=BLOCK_N, BLOCK_M=block_m, ROPE=rope, PREC=precision,
+        D2=d // 2, RP=_pow2(r), BLOCK_N=BLOCK_N, BLOCK_M=block_m, ROPE=rope, HALVES=halves, SCALED=scaled, PREC=precision,
         num_warps=8 if d >= 128 or precision == "ieee" else 4, num_stages=2,
     )
     return out
