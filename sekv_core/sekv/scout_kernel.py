@@ -1,31 +1,40 @@
-"""The scout pass's block scoring as one Triton kernel: factors -> keys -> RoPE -> logits -> each zoom block's logsumexp.
+"""The scout pass's block scoring as one Triton kernel: factor-block rows -> keys -> RoPE -> logits -> each zoom block's
+logsumexp.
 
-What it replaces (gpu_step.BatchedStep._scout_lse, the PyTorch path): for a chunk of (KV group, span) pairs, the keys
-U*sigma @ Vt are materialised as float32 [.., n_max, d], rotated in place, multiplied by the question's queries into
-float32 logits [.., n_max, M], masked past each span, and reduced by a segmented logsumexp per zoom block (amax, sub,
-exp, scatter_add, log, add).  On the H200 at 128K tokens (the 8B shape: 32 layers, 8 KV heads, d = 128, ~1100 spans of
-80-160 tokens, blocks of ~14-16 tokens, M = 4 query heads x ~25 question tokens) that was 416 chunks of ~19 kernels
-each, ~0.3-0.35 s, the chunks' size bounded by the keys and logits they materialise.
+What it replaces (gpu_step.BatchedStep._scout_lse, the PyTorch path): for a chunk of (KV group, span) pairs, the key
+factors are unpacked from the block rows into float32 U*sigma [.., n_max, r] and Vt [.., r, d] (blocks.unpack side 0),
+the keys U*sigma @ Vt materialised as float32 [.., n_max, d], rotated in place, multiplied by the question's queries
+into float32 logits [.., n_max, M], masked past each span, and reduced by a segmented logsumexp per zoom block (amax,
+sub, exp, scatter_add, log, add).  On the H200 at 128K tokens (the 8B shape: 32 layers, 8 KV heads, d = 128, ~1100
+spans of 80-160 tokens, blocks of ~14-16 tokens, M = 4 query heads x ~25 question tokens) that was 416 chunks of ~19
+kernels each, ~0.3-0.35 s, the chunks' size bounded by the keys and logits they materialise.
 
-Here one program takes one (pair, tile of BLOCK_M query columns).  It loads the pair's Vt [r, d] as its even and
-odd columns (a pre-RoPE pack's keys are made in RoPE's pairs order, rope.pairs_order: column 2j is x1_j, 2j + 1 is
-x2_j) and the group's queries (scaled, in the keys' column order) once; then for each zoom block of the span, its
-rows of U*sigma BLOCK_N at a time [BLOCK_N, r]: the keys' two halves are formed in registers, rotated by the rows'
-(cos, sin) (rope.pairs_phase's table: x1 c - x2 s, x1 s + x2 c), scored against the queries and folded into an online
-logsumexp over the block's rows.  Nothing but the [blocks, M] results is written; a block with no rows (a span with
-fewer blocks than the most) gives -inf, as the PyTorch path's log 0.  The blocks are given as (first row, rows) per
-(span, block) of the chunk (:func:`block_tables`); a pack of whole spans is one block per span: its rows
-0..span_len - 1.  One program a pair (not a block) reads its Vt and queries once, not once a block (~11 blocks a
-span at 128K).
+Here one program takes one (pair, tile of BLOCK_M query columns) and reads the pair's block row itself
+(:func:`block_lse_rows`: the int64 words of sekv/blocks.py, ``Vt [2, r, d] | vt_scale [2, r] | us_scale [n, 2] |
+U*sigma [n, 2, r]``, viewed as the factors' element type and, for int8, as float16 for the scales), dequantising its key
+side (side 0) in registers: int8 codes times their float16 scales as float32 products, or float16 / bfloat16 factors
+as float32 (the values blocks.unpack(..., torch.float32, side=0) gives, bit for bit).  It loads the pair's Vt once as
+each RoPE pair's x1 and x2 columns [r, d/2]: for a pre-RoPE pack the first and second halves of Vt's own columns
+(the model's rotate-half pairs; the queries come in rope.pairs_order, column 2j x1_j and 2j + 1 x2_j), else its even
+and odd columns; then for each zoom block of the span, its rows of U*sigma BLOCK_N at a time [BLOCK_N, r] (each row
+times its scale): the keys' two halves are formed in registers, rotated by the rows' (cos, sin) (rope.pairs_phase's
+table: x1 c - x2 s, x1 s + x2 c), scored against the queries and folded into an online logsumexp over the block's
+rows.  Nothing but the [blocks, M] results is written; a block with no rows (a span with fewer blocks than the most)
+gives -inf, as the PyTorch path's log 0.  The blocks are given as (first row, rows) per (span, block) of the chunk
+(:func:`block_tables`); a pack of whole spans is one block per span: its rows 0..span_len - 1, so rows past a span
+(padding, or a fetch's repeated last word) are never read.  One program a pair (not a block) reads its Vt and queries
+once, not once a block (~11 blocks a span at 128K).
 
-It reads the factors as unpacked (float32 U*sigma [P, n_max, r], Vt [P, r, d], blocks.unpack side 0), so a chunk's
-only work tensors are those two: the scout's chunks are budgeted on them together (gpu_step._scout_jobs), 4 r (n_max +
-d) bytes a pair against the PyTorch path's 4 n_max max(d, M, 2 r) per work tensor.  At 128K on the 8B shape (n_max
-160, d 128) that is about as many pairs a chunk for r ~ 64 and twice as many for r ~ 32: what it saves is mostly the
-launches (one a layer and chunk, beside the unpack's few, against ~19 a chunk) and the keys' and logits' round trips
-through device memory, less the number of chunks (the staged host rows, ScoutRows, bound those anyway).  Used behind
-gpu_step.SCOUT_FUSED on CUDA with triton (and on the CPU under TRITON_INTERPRET=1, which runs it with numpy: the
-tests).  Its products take TF32 where the step allows TF32 (gpu_step._tf32), else full float32.
+The rows are read as the scout has them (gpu_step.BatchedStep._scout_rows): a chunk's rows staged in a device buffer
+(gpu_step.ScoutRows), or a strided view of the blocks where they lie (device memory, or page-locked host memory
+through its mapped view: the kernel reads host memory), so a chunk's memory is only its staged rows and its output:
+no float32 factors, keys or logits.  The scout budgets its fused chunks on the staged rows alone
+(gpu_step._scout_jobs: a pair's row, K and V, as stored): at 128K on the 8B shape (n_max 160, d 128, int8, r ~ 64)
+about 37 KB a pair, ~1800 pairs a 64 MiB chunk against ~900 when the unpacked float32 factors (4 r (n_max + d) bytes
+a pair) bounded them, so a layer is ~5 chunks, not ~10.  :func:`block_lse` is the same kernel on unpacked float32
+factors (any strides).  Used behind gpu_step.SCOUT_FUSED on CUDA with triton (and on the CPU under
+TRITON_INTERPRET=1, which runs it with numpy: the tests).  Its products take TF32 where the step allows TF32
+(gpu_step._tf32), else full float32.
 """
 
 from __future__ import annotations
@@ -112,9 +121,10 @@ def _block_lse_kernel(
 
 
 #: rows of a block scored at once: a zoom block's (~14-16 tokens; a whole span in several).  Compiled for sm_90 (no
-#: device: triton.compile to a cubin, cuobjdump -res-usage) at d = 64 and 128, ranks up to 32 / 64 / 128 and 64 query
-#: columns, with the launch's warps: no register spills, but for full float32 at d = 128 and rank 128 (216 bytes);
-#: 32 rows spill in full float32.  Shared memory: 60-115 KiB a program at d = 128
+#: device: triton.compile to a cubin, cuobjdump -res-usage) reading int8, bfloat16 and float32 factors, at d = 64 and
+#: 128, ranks up to 32 / 64 / 128 and 64 query columns, with the launch's warps: no register spills, but for full
+#: float32 (ieee) at d = 128 and rank 128 (176-216 bytes of stack, as the float32-input kernel before); TF32 at d = 128
+#: takes 64-192 registers (int8 at rank 128: 192).  Shared memory: 56-112 KiB a program at d = 128
 BLOCK_N = 16
 
 
