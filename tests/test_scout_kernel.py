@@ -282,6 +282,33 @@ def test_block_lse_rows_in_place_staged_or_fetched(fmt):
         _check(got, _natural_reference(keys, lens, q_nat, phase, rb, per)[:, :ns])
 
 
+
+@on_cuda
+@pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
+@pytest.mark.parametrize("rotate", [True, False])
+def test_block_lse_rows_on_cuda(fmt, rotate):
+    """The compiled row-reading kernel at head_dim 128 (the 8B shape's): the float64 reference's values (ieee), and
+    within TF32's rounding (tf32); a view of the blocks' rows in device memory, read in place."""
+    from sekv_core.sekv import scout_kernel as sk
+
+    b, lens, keys = _blocks_case(fmt, d=128, hkv=4, seed=8)
+    hkv, d, S = keys.shape[0], keys.shape[2], len(_LENS)
+    rb, per = _rows_tables(lens, b.n_max, False, seed=9)
+    q_nat = torch.randn(hkv, 100, d, generator=torch.Generator().manual_seed(10)) / d**0.5
+    phase = _phase(S, b.n_max, d) if rotate else None
+    q = q_nat[..., rope.pairs_order(d)] if rotate else q_nat
+    ref = _natural_reference(keys, lens, q_nat, phase, rb, per)
+    rows = b.words.cuda().view(hkv, S, b.stride)
+    start, length = sk.block_tables(rb.cuda(), per)
+    ph = None if phase is None else phase.cuda()
+    for prec, atol in (("ieee", None), ("tf32", 2e-2)):
+        got = sk.block_lse_rows(b, rows, q.cuda(), start, length, torch.full((hkv, S, per, 100), 7.0, device="cuda"), phase=ph, pairs=rotate, precision=prec)
+        if atol is None:
+            _check(got, ref)
+        else:
+            got, fin = got.double().cpu(), torch.isfinite(ref)
+            assert torch.equal(torch.isinf(got), ~fin) and torch.allclose(got[fin], ref[fin], atol=atol)
+
 def test_fused_scout_chunks_budgeted_by_their_staged_rows(monkeypatch):
     """With the fused kernel a chunk's memory is its staged block rows: the scout's chunks hold about
     SCOUT_CHUNK_BYTES of them each (never more), more spans a chunk than the PyTorch path's keys and logits allow,
