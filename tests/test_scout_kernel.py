@@ -120,6 +120,220 @@ def test_block_lse_strided_output_and_factors():
     assert not full[:, :2].any() and not full[:, 2 + ns :].any()
 
 
+# -- the kernel reading the factor-block rows themselves (block_lse_rows) -------------------------------------------
+
+_LENS = [23, 9, 17, 1, 20, 3, 14, 23]  # ragged spans: a one-token span, two of the longest
+
+
+def _blocks_case(fmt: str, d: int = 32, hkv: int = 2, seed: int = 0):
+    """One layer's K and V factor blocks (blocks.build of factorize.factorize's output: int8 codes with float16 scales,
+    or float16 / bfloat16 factors) of ragged spans whose keys' ranks differ by (group, span) and from the values' (the
+    blocks' r_max, the V side's, pads the K side): (blocks, span lengths, the keys the K factors give [Hkv, T, d])."""
+    from sekv_core.sekv import blocks
+    from sekv_core.sekv import factorize as fz
+
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.tensor(_LENS)
+    t = int(lens.sum())
+    x = torch.randn(hkv, t, d, generator=g) * torch.linspace(1.0, 0.05, d)  # a decaying spectrum: the energy rule cuts
+    x[1] = x[1, :, : d // 4] @ torch.randn(d // 4, d, generator=g) + 0.01 * x[1]  # group 1 nearly of rank d/4
+    int8, dt = fmt == "int8", {"int8": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16}[fmt]
+    fk = fz.factorize(x, lens, energy=0.9, rank_max=16, int8=int8, dtype=dt)
+    fv = fz.factorize(torch.randn(hkv, t, d, generator=g), lens, energy=0.99, rank_max=20, int8=int8, dtype=dt)
+    b = blocks.build(fz.stack_kv(fk, fv), lens, d, "cpu", pin=False)
+    rk = fk.rank.long()
+    assert b.int8 == int8 and len(set(rk.flatten().tolist())) > 2 and not torch.equal(rk[0], rk[1]) and b.r_max > rk.max()
+    return b, lens, fz.reconstruct_all(fk, lens, d)
+
+
+def _rows_tables(lens, n_max, whole, seed=1):
+    """Each row's block within its span [S, n_max] (-1: none): whole spans, or runs of 1-6 rows with a row of no block
+    inside some spans; the most blocks a span has."""
+    g = torch.Generator().manual_seed(seed)
+    rb = torch.full((len(lens), n_max), -1, dtype=torch.long)
+    for s, n in enumerate(lens.tolist()):
+        at, k = 0, 0
+        while at < n:
+            w = n if whole else min(n - at, int(torch.randint(1, 7, (1,), generator=g)))
+            rb[s, at : at + w] = k
+            if not whole and w > 2 and s % 3 == 0:
+                rb[s, at + w - 1] = -1
+            at, k = at + w, k + 1
+    return rb, int(rb.max()) + 1
+
+
+def _natural_reference(keys, lens, q, phase, rb, per):
+    """out [Hkv, S, per, M] in float64 from the keys in their own column order (factorize.reconstruct_all, not the
+    blocks), rotated as the model does (rotate-half: x1 = the first half's column j, x2 = the second's) by phase
+    [S, n_max, d/2, 2], against the queries q [Hkv, M, d] in that order."""
+    hkv, m, d = q.shape
+    h = d // 2
+    first = torch.cumsum(lens, 0) - lens
+    out = torch.full((hkv, len(lens), per, m), float("-inf"), dtype=torch.float64)
+    for gi in range(hkv):
+        for s, n in enumerate(lens.tolist()):
+            k = keys[gi, first[s] : first[s] + n].double()
+            if phase is not None:
+                c, sn = phase[s, :n, :, 0].double(), phase[s, :n, :, 1].double()
+                k = torch.cat([k[:, :h] * c - k[:, h:] * sn, k[:, h:] * c + k[:, :h] * sn], 1)
+            logits = k @ q[gi].double().T
+            for b in range(per):
+                rows = (rb[s, :n] == b).nonzero().flatten()
+                if len(rows):
+                    out[gi, s, b] = torch.logsumexp(logits[rows], 0)
+    return out
+
+
+def _pytorch_path(b, rows, q, phase, rb, per, whole, fused=None, staged=True):
+    """gpu_step.BatchedStep._scout_lse on one layer of these blocks (rows [Hkv, ns, stride] of spans 0..ns-1): the
+    PyTorch path (fused None) or the wired kernel (the rows staged, or read where the blocks are)."""
+    from types import SimpleNamespace
+
+    from sekv_core import methods  # noqa: F401 - first: gpu_step alone does not import (a cycle through sekv.memory)
+    from sekv_core.sekv import gpu_step
+
+    hkv, m, d = q.shape
+    ns = rows.shape[1]
+    st = gpu_step.BatchedStep.__new__(gpu_step.BatchedStep)
+    st.blocks, st.hkv, st.d = [b], hkv, d
+    r = SimpleNamespace(pre_rope=phase is not None, whole_spans=whole, device=q.device)
+    t = {"row_block": rb, "past": rb < 0, "row_block0": rb.clamp_min(0), "per_span": per}
+    if phase is not None:
+        t["phase"] = phase
+    if fused is not None:
+        t["start"], t["length"] = fused.block_tables(rb, per)
+    out = torch.full((1, hkv, ns, per, m), 7.0)
+    st._scout_lse(r, [0], q[None], 0, ns, t, {0: rows.reshape(hkv * ns, -1)} if staged else {}, out, fused)
+    return out[0]
+
+
+def _phase(n_spans, n_max, d, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.randint(0, 4000, (n_spans, n_max), generator=g)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    return rope.pairs_phase(*rope.cos_sin_half(pos.flatten(), inv_freq, dtype=torch.bfloat16)).view(n_spans, n_max, d // 2, 2)
+
+
+@on_cpu
+@pytest.mark.parametrize("fmt", ["int8", "float16", "bfloat16"])
+@pytest.mark.parametrize("rotate", [True, False])
+@pytest.mark.parametrize("whole", [False, True])
+def test_block_lse_rows_equals_unpacked_kernel_pytorch_path_and_float64(fmt, rotate, whole):
+    """The kernel reading the block rows (int8 or 16-bit factors, ragged spans, ranks differing by pair and padded
+    to the V side's, pre-RoPE keys rotated in the kernel or keys stored rotated, zoom blocks or whole spans) gives
+    the float32-input kernel's logsumexps from blocks.unpack's factors (the same dequantised values: bit for bit in
+    the interpreter), the PyTorch path's (BatchedStep._scout_lse), and the float64 reference from the factors' own
+    keys (factorize.reconstruct_all, rotate-half RoPE in the model's column order)."""
+    from sekv_core.sekv import blocks
+    from sekv_core.sekv import scout_kernel as sk
+
+    b, lens, keys = _blocks_case(fmt)
+    hkv, d, S = keys.shape[0], keys.shape[2], len(_LENS)
+    rb, per = _rows_tables(lens, b.n_max, whole)
+    q_nat = torch.randn(hkv, 20, d, generator=torch.Generator().manual_seed(3)) / d**0.5
+    phase = _phase(S, b.n_max, d) if rotate else None
+    q = q_nat[..., rope.pairs_order(d)] if rotate else q_nat  # the keys' column order the scout makes them in
+    rows = b.words.view(hkv, S, b.stride)  # every span, read where the blocks are
+    start, length = sk.block_tables(rb, per)
+    got = sk.block_lse_rows(b, rows, q, start, length, torch.full((hkv, S, per, 20), 7.0), phase=phase, pairs=rotate)
+    us, vt = blocks.unpack(b, rows.reshape(hkv * S, -1), torch.float32, side=0, pairs=rotate)
+    ref32 = sk.block_lse(us, vt, q, start, length, torch.full((hkv, S, per, 20), 7.0), phase=phase)
+    assert torch.equal(got, ref32)
+    torch_path = _pytorch_path(b, rows, q, phase, rb, per, whole)
+    assert torch.equal(torch.isinf(got), torch.isinf(torch_path))
+    assert torch.allclose(got, torch_path, atol=1e-5, rtol=1e-4), (got - torch_path).nan_to_num().abs().max()
+    _check(got, _natural_reference(keys, lens, q_nat, phase, rb, per))
+
+
+@on_cpu
+@pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
+def test_block_lse_rows_in_place_staged_or_fetched(fmt):
+    """The rows of a run of spans as the scout meets them: a strided view of the blocks where they lie (every
+    group's run), a staged copy ([Hkv * ns, stride]), fetched rows (blocks.fetch: the words past a block's used part
+    repeat its last), and through the wired BatchedStep._scout_lse (staged or in place): the same logsumexps,
+    written only into the chunk's slice of the output."""
+    from sekv_core.sekv import blocks
+    from sekv_core.sekv import scout_kernel as sk
+
+    b, lens, keys = _blocks_case(fmt, seed=5)
+    hkv, d, S = keys.shape[0], keys.shape[2], len(_LENS)
+    rb, per = _rows_tables(lens, b.n_max, False, seed=6)
+    q_nat = torch.randn(hkv, 9, d, generator=torch.Generator().manual_seed(7)) / d**0.5
+    q, phase = q_nat[..., rope.pairs_order(d)], _phase(S, b.n_max, d)
+    i0, i1 = 2, 7
+    ns = i1 - i0
+    start, length = sk.block_tables(rb[i0:i1], per)
+    ph = phase[i0:i1]
+    view = b.words.view(hkv, S, b.stride)[:, i0:i1]
+    assert not view.is_contiguous()
+    pair = (torch.arange(hkv).view(-1, 1) * S + torch.arange(i0, i1).view(1, -1)).flatten()
+    fetched, _ = blocks.fetch(b, pair, torch.ones_like(pair, dtype=torch.bool))
+    ref = _natural_reference(keys, lens, q_nat, phase, rb, per)[:, i0:i1]
+    outs = []
+    for rows in (view, view.contiguous().view(hkv * ns, b.stride), fetched):
+        full = torch.zeros(hkv, S, per, 9)
+        sk.block_lse_rows(b, rows, q, start, length, full[:, i0:i1], phase=ph)
+        assert not full[:, :i0].any() and not full[:, i1:].any()
+        outs.append(full[:, i0:i1])
+        _check(outs[-1], ref)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    for staged in (True, False):  # the wired call: spans 0..ns-1 of a chunk of the blocks' first spans
+        got = _pytorch_path(b, b.words.view(hkv, S, b.stride)[:, :ns], q, phase[:ns], rb[:ns], per, False, fused=sk, staged=staged)
+        _check(got, _natural_reference(keys, lens, q_nat, phase, rb, per)[:, :ns])
+
+
+
+@on_cuda
+@pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
+@pytest.mark.parametrize("rotate", [True, False])
+def test_block_lse_rows_on_cuda(fmt, rotate):
+    """The compiled row-reading kernel at head_dim 128 (the 8B shape's): the float64 reference's values (ieee), and
+    within TF32's rounding (tf32); a view of the blocks' rows in device memory, read in place."""
+    from sekv_core.sekv import scout_kernel as sk
+
+    b, lens, keys = _blocks_case(fmt, d=128, hkv=4, seed=8)
+    hkv, d, S = keys.shape[0], keys.shape[2], len(_LENS)
+    rb, per = _rows_tables(lens, b.n_max, False, seed=9)
+    q_nat = torch.randn(hkv, 100, d, generator=torch.Generator().manual_seed(10)) / d**0.5
+    phase = _phase(S, b.n_max, d) if rotate else None
+    q = q_nat[..., rope.pairs_order(d)] if rotate else q_nat
+    ref = _natural_reference(keys, lens, q_nat, phase, rb, per)
+    rows = b.words.cuda().view(hkv, S, b.stride)
+    start, length = sk.block_tables(rb.cuda(), per)
+    ph = None if phase is None else phase.cuda()
+    for prec, atol in (("ieee", None), ("tf32", 2e-2)):
+        got = sk.block_lse_rows(b, rows, q.cuda(), start, length, torch.full((hkv, S, per, 100), 7.0, device="cuda"), phase=ph, pairs=rotate, precision=prec)
+        if atol is None:
+            _check(got, ref)
+        else:
+            got, fin = got.double().cpu(), torch.isfinite(ref)
+            assert torch.equal(torch.isinf(got), ~fin) and torch.allclose(got[fin], ref[fin], atol=atol)
+
+def test_fused_scout_chunks_budgeted_by_their_staged_rows(monkeypatch):
+    """With the fused kernel a chunk's memory is its staged block rows: the scout's chunks hold about
+    SCOUT_CHUNK_BYTES of them each (never more), more spans a chunk than the PyTorch path's keys and logits allow,
+    and cover every span of every layer once."""
+    from sekv_core import methods  # noqa: F401 - first: gpu_step alone does not import (a cycle through sekv.memory)
+    from sekv_core.sekv import blocks
+    from sekv_core.sekv import factorize as fz
+    from sekv_core.sekv import gpu_step
+
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(8, 40, (300,), generator=g)
+    x = torch.randn(2, int(lens.sum()), 64, generator=g)
+    f = fz.factorize(x, lens, energy=0.8, rank_max=16, int8=True)
+    b = blocks.build(fz.stack_kv(f, f), lens, 64, "cpu", pin=False)
+    st = gpu_step.BatchedStep.__new__(gpu_step.BatchedStep)
+    st.blocks, st.hkv, st.d, st.P = [b, b, b], 2, 64, 0
+    budget = 100 * 8 * b.stride  # 100 pairs' rows: a layer (600 pairs) in chunks
+    monkeypatch.setattr(gpu_step, "SCOUT_CHUNK_BYTES", budget)
+    jobs = st._scout_jobs([0, 1, 2], 300, 20, b.n_max, fused=True)
+    staged = [len(layers) * 2 * (i1 - i0) * 8 * b.stride for layers, i0, i1 in jobs]
+    assert max(staged) <= budget and min(staged) > budget // 2
+    assert sorted((layers[0], i) for layers, i0, i1 in jobs for i in range(i0, i1)) == [(l, i) for l in range(3) for i in range(300)]
+    assert len(jobs) < len(st._scout_jobs([0, 1, 2], 300, 20, b.n_max, fused=False))
+
+
 def _tiny32(kind):
     """test_sekv_method.tiny with head_dim 32 (the kernel's smallest): 2 layers, 4 query heads, 2 KV groups."""
     import transformers
@@ -141,12 +355,14 @@ def _scout_masses(fused: bool, monkeypatch, **params):
 
     monkeypatch.setattr(test_sekv_scout, "tiny", _tiny32)
     monkeypatch.setattr(gpu_step, "SCOUT_FUSED", fused)
-    calls = []
+    calls, unpacked = [], []
     if fused:
         from sekv_core.sekv import scout_kernel as sk
 
-        inner = sk.block_lse
-        monkeypatch.setattr(sk, "block_lse", lambda *a, **k: calls.append(1) or inner(*a, **k))
+        inner = sk.block_lse_rows
+        monkeypatch.setattr(sk, "block_lse_rows", lambda *a, **k: calls.append(1) or inner(*a, **k))
+    inner_factors = gpu_step.BatchedStep._scout_factors
+    monkeypatch.setattr(gpu_step.BatchedStep, "_scout_factors", lambda *a, **k: unpacked.append(1) or inner_factors(*a, **k))
     model, res, store, p, mem = _memory("qwen2", capture=False, **{**EXACT, "zoom": "router", "budget": 0.5, **params})
     assert mem.shape.head_dim == 32
     mem.batched = True
@@ -162,6 +378,7 @@ def _scout_masses(fused: bool, monkeypatch, **params):
     q = torch.tensor([QUESTION])
     mem.prepare_question(lambda: runtime.forward_hidden(model, q, mem.n_tokens(), mem))
     assert bool(calls) == fused and len(masses) == 1  # the kernel ran where it was asked for, and only there
+    assert bool(unpacked) != fused  # the fused pass reads the block rows: no float32 factors unpacked
     return mem, masses[0]
 
 
@@ -222,8 +439,8 @@ def _fused_chunks_against_float64(device, monkeypatch):
     ref = _block_masses_reference(mem, *args)
     monkeypatch.setattr(gpu_step, "SCOUT_FUSED", True)
     calls = []
-    inner = sk.block_lse
-    monkeypatch.setattr(sk, "block_lse", lambda *a, **k: calls.append(1) or inner(*a, **k))
+    inner = sk.block_lse_rows
+    monkeypatch.setattr(sk, "block_lse_rows", lambda *a, **k: calls.append(1) or inner(*a, **k))
     cases = [((10**6, 2), None), ((st.hkv * S, 1), True), ((3 * st.hkv, 1), True), ((3 * st.hkv, 1), False), ((st.hkv, 1), True)]
     for (pairs, layers), staging in cases:
         monkeypatch.setattr(gpu_step.BatchedStep, "_scout_chunk", lambda self, n_pairs, per_pair, _c=(pairs, layers): _c)

@@ -40,12 +40,14 @@ from .scout import Ranking
 
 #: the scout pass's chunk of rebuilt keys and logits, bytes per float32 work tensor: few launches, a bounded
 #: transient (the 0.5B at 4K: 8 layers a chunk; at 30K: a layer in two chunks; the 8B shape at 128K: a layer in
-#: many); also the question's chunk of queries in a per-layer-routed forward
+#: many); with the fused kernel (SCOUT_FUSED), bytes of a chunk's staged block rows; also the question's chunk of
+#: queries in a per-layer-routed forward
 SCOUT_CHUNK_BYTES = 64 << 20
 
-#: the scout's block scoring by one fused Triton kernel a layer and chunk (sekv/scout_kernel.py: the keys, their
-#: rotation and logits never materialised, so a chunk's work tensors are only the unpacked factors) instead of the
-#: PyTorch path's ~19 kernels a chunk.  Used on CUDA where triton imports (and on the CPU under TRITON_INTERPRET=1:
+#: the scout's block scoring by one fused Triton kernel a layer and chunk (sekv/scout_kernel.py: it reads the chunk's
+#: factor-block rows themselves and dequantises their key side in registers; the factors, keys, their rotation and
+#: logits never materialised, so a chunk's memory is its staged rows and its output) instead of the PyTorch path's
+#: ~19 kernels a chunk.  Used on CUDA where triton imports (and on the CPU under TRITON_INTERPRET=1:
 #: the tests); off until measured on the device (docs/gpu.md "The question's reads, profiled")
 SCOUT_FUSED = False
 _SCOUT_KERNEL: list = []  # [the module, or None where triton does not import], once tried
@@ -703,19 +705,22 @@ class BatchedStep:
         return held[dev]
 
     def _scout_chunk(self, n_pairs: int, per_pair: int) -> tuple[int, int]:
-        """(pairs, layers) per chunk of the scout's scoring: float32 work tensors near SCOUT_CHUNK_BYTES (at least as
-        many pairs as a step may fetch); whole layers together where a layer's pairs fit in one chunk."""
+        """(pairs, layers) per chunk of the scout's scoring: work tensors (the fused kernel's: its staged rows) near
+        SCOUT_CHUNK_BYTES (at least as many pairs as a step may fetch); whole layers together where a layer's pairs fit
+        in one chunk."""
         pairs = max(self.P, 64, SCOUT_CHUNK_BYTES // max(per_pair, 1))
         return pairs, max(1, pairs // max(n_pairs, 1))
 
     def _scout_jobs(self, ids: list[int], S: int, m: int, n_max: int, fused: bool = False) -> list[tuple[list[int], int, int]]:
         """The scoring's chunks: (layers, i0, i1), spans i0..i1-1 of every KV group of the layers, about the pairs
         :meth:`_scout_chunk` allows (whole layers where they fit, else a layer's spans in equal runs).  A pair's work
-        tensors: its keys and logits (each near the bound), or with the fused kernel (``fused``) its float32 factors
-        alone (U*sigma and Vt together near the bound: the chunk's staged rows, two buffers of about as many bytes,
-        grow with it)."""
-        r_max = max(b.r_max for b in self.blocks)
-        per_pair = 4 * r_max * (n_max + self.d) if fused else 4 * n_max * max(self.d, m, 2 * r_max)
+        tensors: its keys and logits (each near the bound), or with the fused kernel (``fused``) its block row alone,
+        K and V as stored (the chunk's staged rows near the bound, in each of ScoutRows's two buffers; the kernel
+        reads them as they are)."""
+        if fused:  # the pair's block row, as staged (K and V: ScoutRows copies whole rows)
+            per_pair = 8 * max(b.stride for b in self.blocks)
+        else:
+            per_pair = 4 * n_max * max(self.d, m, 2 * max(b.r_max for b in self.blocks))
         pairs, n_layers = self._scout_chunk(self.hkv * S, per_pair)
         if n_layers > 1 or pairs >= self.hkv * S:
             return [(ids[l0 : l0 + n_layers], 0, S) for l0 in range(0, len(ids), n_layers)]
@@ -729,14 +734,13 @@ class BatchedStep:
         (scaled by the attention's scaling; in RoPE's pairs order for a pre-RoPE pack, as the keys are made), written into out [Lc, Hkv, i1 - i0, blocks per span, M]; a span's rows past its blocks give -inf.  r: the pack
         on the layers' device; staged: the layers' block rows of those spans already on it ([Hkv * (i1 - i0), stride],
         ScoutRows), by layer; the others are read where they are.  ``fused``: sekv/scout_kernel.py, one kernel a layer
-        from the unpacked factors (:func:`scout_kernel`), else the PyTorch path."""
+        reading the block rows themselves (:func:`scout_kernel`, :meth:`_scout_rows`), else the PyTorch path."""
         if fused is not None:
             phase = self._scout_phase(r, t, i0, i1) if r.pre_rope else None
             start, length = t["start"][i0:i1], t["length"][i0:i1]
             for j, layer in enumerate(layers):
-                us, vt = self._scout_factors(r, layer, i0, i1, staged)
-                fused.block_lse(us, vt, q[j], start, length, out[j], phase=phase)
-                del us, vt
+                rows = self._scout_rows(r, layer, i0, i1, staged)
+                fused.block_lse_rows(self.blocks[layer], rows, q[j], start, length, out[j], phase=phase, pairs=r.pre_rope)
             return
         lc, hkv, ns = len(layers), self.hkv, i1 - i0
         n_max = t["row_block"].shape[1]
@@ -769,6 +773,17 @@ class BatchedStep:
         ex = logits.sub_(mx).exp_()
         sums = torch.zeros_like(out).scatter_add_(3, t["row_block0"][i0:i1].unsqueeze(-1).expand_as(ex), ex)
         torch.add(sums.log_(), mx, out=out)  # a span's missing blocks: log 0 = -inf
+
+    def _scout_rows(self, r: Residents, layer: int, i0: int, i1: int, staged: dict) -> torch.Tensor:
+        """The layer's block rows of spans i0..i1-1 of every group [Hkv, ns, stride] (int64 words, group-major), what
+        the fused kernel reads: the staged ones (ScoutRows), else a view of the blocks where they lie (device memory, or
+        page-locked host memory through its mapped view: read in place by the kernel), else (host memory with no mapped
+        view, not staged) copied to r's device.  staged: as :meth:`_scout_lse`."""
+        b = self.blocks[layer]
+        rows = staged.get(layer)
+        if rows is not None:
+            return rows.view(self.hkv, i1 - i0, b.stride)
+        return b.src.view(self.hkv, -1, b.stride)[:, i0:i1].to(r.device, non_blocking=True)
 
     def _scout_factors(self, r: Residents, layer: int, i0: int, i1: int, staged: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's keys' factors of spans i0..i1-1 of every group, float32 (U*sigma [Hkv * ns, n_max, r], Vt
