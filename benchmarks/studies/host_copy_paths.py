@@ -17,21 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
+from benchmarks.gpu_micro import timed
 from sekv_core.sekv import blocks as fb
-
-
-def timed(fn, repeat: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / repeat
 
 
 def main(argv=None) -> int:

@@ -790,9 +790,7 @@ class BatchedStep:
         [Hkv * ns, r, d], group-major); for a pre-RoPE pack Vt's columns in RoPE's pairs order (x1_j, x2_j side by
         side), converted into it: the keys come out so, rotated by one complex product.  staged: as :meth:`_scout_lse`."""
         b = self.blocks[layer]
-        rows = staged.get(layer)
-        if rows is None:  # a view of the layer's blocks of those spans (blocks on the device, or read in place)
-            rows = b.src.view(self.hkv, -1, b.stride)[:, i0:i1].to(r.device, non_blocking=True).reshape(self.hkv * (i1 - i0), b.stride)
+        rows = self._scout_rows(r, layer, i0, i1, staged).reshape(self.hkv * (i1 - i0), b.stride)
         return fb.unpack(b, rows, torch.float32, side=0, pairs=r.pre_rope)
 
     @staticmethod
