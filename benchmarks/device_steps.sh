@@ -12,7 +12,9 @@
 #   prof   the question's phases of that pack under the profiler (benchmarks/ttft_ops.py --device cuda; PROF_ARGS)
 #   profv  the same unprofiled and profiled per variant: VARIANTS="ARGS;ARGS;..." (e.g. --set MODULE.NAME=VALUE)
 #   t      the CUDA tests -> $OUT/cuda.log
-#   g8     gpu_cli on the 8B shape, sekv and full (LENS, default 131072; PAUSE, default 10)
+#   g8     gpu_cli on the 8B shape, sekv and full (LENS, default 131072; PAUSE, default 10; G8_ARGS more options of
+#          gpu_cli run, e.g. "--reuse-packs --answer-args --compile"; G8_TAG a suffix of its JSON's name)
+#   cl     compress's layer groups at 128K on the 8B KV geometry: stages and kernels (benchmarks/compress_layer.py; CL_ARGS)
 #   conv   join the real 0.5B's parts in /var/tmp/m, check the sha256 and convert it (once a lease)
 #   n17    the long-document needle cell with its coverage (NIAH_ARGS, SEED to change it)
 set -u
@@ -47,7 +49,10 @@ for step in "$@"; do
   g8)
     mkdir -p /var/tmp/p8w
     $PY -m benchmarks.gpu_cli run --model /var/tmp/m8b --docs /var/tmp/docs8b --lengths ${LENS:-131072} --methods sekv,full --chat 3 \
-      --max-new-tokens 32 --chat-pause ${PAUSE:-10} --no-ask --workdir /var/tmp/p8w --out $OUT/gpu_cli_8b.json 2>&1 | tail -40 ;;
+      --max-new-tokens 32 --chat-pause ${PAUSE:-10} --no-ask --workdir /var/tmp/p8w --out $OUT/gpu_cli_8b${G8_TAG:-}.json ${G8_ARGS:-} 2>&1 | tail -40 ;;
+  cl)
+    $PY -m benchmarks.compress_layer --device cuda --tokens 131072 --layers 4 --repeat 2 --prepared --stages --kernels 30 \
+      --out $OUT/layer.json ${CL_ARGS:-} 2>&1 | tail -70 ;;
   conv)
     if [ ! -f $SEKV_HOME/models/qwen2.5-0.5b/config.json ]; then
       cat /var/tmp/m/part.* > /var/tmp/model.gguf

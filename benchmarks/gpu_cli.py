@@ -207,10 +207,14 @@ def _found(answer: str, expected: str) -> bool:
 
 def bench_doc(doc: dict, docs_dir: Path, method: str, a: argparse.Namespace, work: Path) -> dict:
     common = ["--model", a.model] + (["--device", a.device] if a.device else [])
+    answering = common + a.answer_args.split()  # `ask` and `chat` only
     pack = work / f"{doc['name']}.{method}.sekv"
-    pack.unlink(missing_ok=True)
     rec: dict = {"doc": doc["name"], "length": doc["length"], "tokens": doc["tokens"], "method": method}
-    ing = run_cli(["ingest", str(docs_dir / doc["file"]), "-o", str(pack), "--method", method, "-q", *common], probe=not a.plain)
+    if a.reuse_packs and pack.is_file():  # a pack this harness wrote before (same document and method): no ingest row
+        ing = {"rc": 0, "skipped": "--reuse-packs"}
+    else:
+        pack.unlink(missing_ok=True)
+        ing = run_cli(["ingest", str(docs_dir / doc["file"]), "-o", str(pack), "--method", method, "-q", *common], probe=not a.plain)
     rec["ingest"] = ing
     if ing["rc"] != 0:
         return rec
@@ -223,7 +227,7 @@ def bench_doc(doc: dict, docs_dir: Path, method: str, a: argparse.Namespace, wor
         env["SEKV_PROBE_PROFILE"] = str(prof / f"ask_{doc['name']}_{method}")
         if a.torch_profile:
             env["SEKV_PROBE_TORCH"] = str(prof / f"torch_{doc['name']}_{method}")
-    ask = {"rc": None, "skipped": "--no-ask"} if a.no_ask else run_cli(["ask", str(pack), q["question"], "--json", "-n", str(a.max_new_tokens), *common], probe=not a.plain, env_extra=env)
+    ask = {"rc": None, "skipped": "--no-ask"} if a.no_ask else run_cli(["ask", str(pack), q["question"], "--json", "-n", str(a.max_new_tokens), *answering], probe=not a.plain, env_extra=env)
     if ask["rc"] == 0:
         lines = [ln for ln in ask["stdout"].splitlines() if ln.startswith("{")]
         ask["json"] = json.loads(lines[-1]) if lines else None
@@ -232,7 +236,7 @@ def bench_doc(doc: dict, docs_dir: Path, method: str, a: argparse.Namespace, wor
     rec["ask"] = ask
     if a.chat > 0:
         qs = (doc["questions"] * a.chat)[: a.chat]
-        chat = run_cli(["chat", str(pack), "-n", str(a.max_new_tokens), *common], probe=not a.plain, env_extra={"SEKV_PROBE_CUDA_INIT": "1"}, stdin="".join(x["question"] + "\n" for x in qs) + "/quit\n", pause=a.chat_pause)
+        chat = run_cli(["chat", str(pack), "-n", str(a.max_new_tokens), *answering], probe=not a.plain, env_extra={"SEKV_PROBE_CUDA_INIT": "1"}, stdin="".join(x["question"] + "\n" for x in qs) + "/quit\n", pause=a.chat_pause)
         asks = (chat.get("probe") or {}).get("asks", [])
         chat["found"] = [_found(x["answer"], qq["expected"]) for x, qq in zip(asks, qs)]
         rec["chat"] = chat
@@ -488,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--workdir", default=None, help="where packs are written (default: DOCS/packs)")
     r.add_argument("--keep-packs", action="store_true")
     r.add_argument("--out", default=None, help="JSON with every number")
+    r.add_argument("--answer-args", default="", help="more options of `sekv ask` and `sekv chat`, one string (e.g. \"--compile\")")
+    r.add_argument("--reuse-packs", action="store_true", help="a pack already in --workdir is asked as it is (no ingest row)")
     r.add_argument("--no-ask", action="store_true", help="no separate `ask` process: the chat's first question is a process's first ask")
     r.add_argument("--no-plain", action="store_true", help="no plain transformers prefill per document (no ingest/plain column)")
     r.add_argument("--budget-s", type=float, default=0, help="start no (document, method) cell that would likely end past this many seconds (0: no limit)")
