@@ -4,14 +4,14 @@ sekv's static single-token step makes one SDPA call a layer over the resident bu
 an additive mask (sekv/fixed_set.py ``_joint_attention``): query [1, H, 1, d], keys / values [1, Hkv, T, d] in the
 model dtype, mask [1, H, 1, T].  A masked GQA call has neither the flash nor the memory-efficient kernel on CUDA;
 whatever kernel takes it parallelises over heads and query tiles, which for one token is H (or Hkv) thread blocks
-streaming T rows each, where full's unmasked call gets flash attention's split-KV decoding.  Timed here, one call per
+streaming T rows each (full KV's static step makes the same masked call over its whole capacity).  Timed here, one call per
 layer on its own buffers (no L2 reuse across layers), a CUDA graph of ``--layers`` calls replayed:
 
 - ``sdpa_gqa``: F.scaled_dot_product_attention(enable_gqa=True) under the mask (the step's call now);
 - ``packed``: fixed_set.grouped_attention (a group's heads on the query axis, the memory-efficient kernel);
 - ``split``: sekv/decode_kernel.py (flash decoding: programs along the keys, then their fold; two Triton kernels);
 - ``flash_nomask``: the same call without a mask (a lower bound: what the bytes cost under split-KV flash decoding);
-- ``full``: full KV's call, no mask, over ``--full-tokens`` keys.
+- and the same over ``--full-tokens`` keys under a length mask: full KV's static step (methods/full.py).
 
 Each variant's output is checked against a float32 reference of the masked attention (max abs error).
 
@@ -79,31 +79,30 @@ def main(argv=None) -> int:
         masks = []
         for _ in range(L):
             m = torch.zeros(1, h, 1, t, device=dev)
+            m[..., int(0.98 * t) if full else int(0.9 * t):] = float("-inf")
             if not full:
-                m[..., int(0.9 * t):] = float("-inf")
                 m[..., : t // 10] += torch.rand(1, h, 1, t // 10, device=dev, generator=gen) * 4
             masks.append(m.to(dt))
         outs = [torch.empty(1, h, 1, d, device=dev, dtype=dt) for _ in range(L)]
-        ref = F.scaled_dot_product_attention(qs[0].float(), ks[0].float(), vs[0].float(), attn_mask=None if full else masks[0].float(),
-                                             scale=scaling, enable_gqa=True)
+        ref = F.scaled_dot_product_attention(qs[0].float(), ks[0].float(), vs[0].float(), attn_mask=masks[0].float(), scale=scaling, enable_gqa=True)
         variants = {
             "sdpa_gqa": lambda i: outs[i].copy_(F.scaled_dot_product_attention(qs[i], ks[i], vs[i], attn_mask=masks[i], scale=scaling, enable_gqa=True)),
             "packed": lambda i: outs[i].copy_(fixed_set.grouped_attention(qs[i], ks[i], vs[i], masks[i], scaling)),
             "split": lambda i: outs[i].copy_(decode_kernel.decode_attention(qs[i], ks[i], vs[i], masks[i], scaling)),
             "flash_nomask": lambda i: outs[i].copy_(F.scaled_dot_product_attention(qs[i], ks[i], vs[i], scale=scaling, enable_gqa=True)),
         }
-        if full:
-            variants = {"full": variants["flash_nomask"], "split": lambda i: outs[i].copy_(decode_kernel.decode_attention(qs[i], ks[i], vs[i], masks[i], scaling))}
+        if full:  # full KV's static step: the whole capacity under a length mask (methods/full.py)
+            variants.pop("packed")
         for name, fn in variants.items():
             try:
                 ms = _timed_graph(fn, L, a.repeat)
                 fn(0)
                 torch.cuda.synchronize()
                 err = None if name == "flash_nomask" else float((outs[0].float() - ref).abs().max())
-                row = {"tokens": t, "variant": name, "ms_per_layer": round(ms, 4), "ms_per_step": round(ms * L, 3),
+                row = {"tokens": t, "full": full, "variant": name, "ms_per_layer": round(ms, 4), "ms_per_step": round(ms * L, 3),
                        "gb_per_s": round(2 * hkv * t * d * 2 / ms / 1e6, 1), "max_abs_err": err}
             except Exception as e:  # noqa: BLE001 - a study: a variant a device does not take is a row
-                row = {"tokens": t, "variant": name, "error": f"{type(e).__name__}: {e}"[:300]}
+                row = {"tokens": t, "full": full, "variant": name, "error": f"{type(e).__name__}: {e}"[:300]}
             rows.append(row)
             print(json.dumps(row), flush=True)
         del ks, vs, qs, masks, outs

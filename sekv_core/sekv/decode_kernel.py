@@ -4,7 +4,7 @@ What it replaces: sekv's static single-token step attends, a layer at a time, ov
 set's annex under an additive mask (sekv/fixed_set.py ``_joint_attention``) by one SDPA call.  A masked GQA call has
 neither flash attention nor the memory-efficient kernel on CUDA, and whichever kernel takes it gives one thread block
 to a query head (or a KV group) and its query tile: for one token that is H thread blocks, each streaming all T rows of
-its group, where full KV's unmasked call gets flash attention's split-KV decoding over every multiprocessor.
+its group, where an unmasked call gets flash attention's split-KV decoding over every multiprocessor.
 
 Here the first kernel gives each (KV group, split) a program: its G query heads (padded to a tile of 16 rows for the
 tensor cores) against ``CHUNK`` key rows of its group, BLOCK_N at a time: logits in float32 (the products of the model
