@@ -121,3 +121,40 @@ def test_static_sekv_steps_with_the_kernel_equal_sdpas(monkeypatch, routing):
             assert calls and all(calls)
         calls.clear()
     assert torch.allclose(out[0], out[1], atol=1e-4, rtol=1e-4), (out[0] - out[1]).abs().max()
+
+
+def test_a_kernel_that_fails_to_build_leaves_the_sdpa_step(monkeypatch):
+    """Where triton imports but cannot build the kernel (the step's first, eager run meets it), the step takes the SDPA
+    call from then on and gives its logits."""
+    from sekv_core import methods, runtime
+    from sekv_core.sekv import fixed_set
+
+    from test_graphed_step import QUESTION, _steps
+    from test_sekv_method import _setup
+
+    class Broken:
+        calls = 0
+
+        @staticmethod
+        def supported(d):
+            return True
+
+        @classmethod
+        def decode_attention(cls, *a, **k):
+            cls.calls += 1
+            raise RuntimeError("PTX assembly failed")
+
+    model, ref, ids, res, store, p, mem, full = _setup("qwen2", n=600, budget=0.5, min_span=10, window=16, routing="scout")
+    out = []
+    for broken in (False, True):
+        monkeypatch.setattr(fixed_set, "DECODE_KERNEL", broken)
+        monkeypatch.setattr(fixed_set, "_DECODE", [Broken] if broken else [])
+        m = methods.get("sekv").open(store, p, res.shape, "cpu")
+        m.batched = True
+        q = torch.tensor([QUESTION])
+        m.prepare_question(lambda: runtime.forward_hidden(model, q, m.n_tokens(), m))
+        if broken:
+            monkeypatch.setenv("TRITON_INTERPRET", "1")  # the loader's CPU condition
+        out.append(_steps(model, m, True, 4, q)[0])
+    assert Broken.calls == 1 and fixed_set._DECODE == [None]
+    assert torch.allclose(out[0], out[1], atol=1e-6, rtol=1e-6), (out[0] - out[1]).abs().max()

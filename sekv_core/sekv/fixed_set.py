@@ -412,7 +412,10 @@ class FixedSets:
         if q == 1 and torch.is_tensor(lim):  # a static single-token step: split along the keys where the kernel runs
             dk = decode_kernel(dev, query.shape[-1])
             if dk is not None:
-                return dk.decode_attention(query, jk, jv, mask, scaling)
+                try:
+                    return dk.decode_attention(query, jk, jv, mask, scaling)
+                except Exception:  # noqa: BLE001 - a triton that cannot build the kernel here (the step's eager run,
+                    _DECODE[:] = [None]  # before any capture, meets it first): SDPA from now on
         how = FILL_SDPA_LAYOUT if q > 1 and FILL_SDPA_LAYOUT is not None else SDPA_LAYOUT
         if how == "packed":
             return grouped_attention(query, jk, jv, mask, scaling)
