@@ -15,7 +15,6 @@
 #   g8     gpu_cli on the 8B shape, sekv and full (LENS, default 131072; PAUSE, default 10; G8_ARGS more options of
 #          gpu_cli run, e.g. "--reuse-packs --answer-args --compile"; G8_TAG a suffix of its JSON's name)
 #   cl     compress's layer groups at 128K on the 8B KV geometry: stages and kernels (benchmarks/compress_layer.py; CL_ARGS)
-#   da     one token's masked attention by kernel (benchmarks/studies/decode_attention.py)
 #   conv   join the real 0.5B's parts in /var/tmp/m, check the sha256 and convert it (once a lease)
 #   n17    the long-document needle cell with its coverage (NIAH_ARGS, SEED to change it)
 set -u
@@ -54,8 +53,6 @@ for step in "$@"; do
   cl)
     $PY -m benchmarks.compress_layer --device cuda --tokens 131072 --layers 4 --repeat 2 --prepared --stages --kernels 30 \
       --out $OUT/layer.json ${CL_ARGS:-} 2>&1 | tail -70 ;;
-  da)
-    $PY -m benchmarks.studies.decode_attention --tokens 8192,16384,24576 --out $OUT/decode_attention.json 2>&1 | tail -30 ;;
   conv)
     if [ ! -f $SEKV_HOME/models/qwen2.5-0.5b/config.json ]; then
       cat /var/tmp/m/part.* > /var/tmp/model.gguf

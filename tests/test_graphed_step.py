@@ -240,18 +240,14 @@ def test_cuda_capture_survives_page_locking_on_another_thread():
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_static_step_calls_per_layer_are_bounded(kind, monkeypatch):
+def test_static_step_calls_per_layer_are_bounded(kind):
     """A static step's non-view aten calls (about one CUDA kernel each; benchmarks/step_ops.py counts them) grow per
     layer by at most the model's fused layer (7 projections, 2 norms, rotary of q and k together as cat, mul, roll,
     addcmul, 2 residual adds, the activation and its product: 17) plus the memory's (the new token's K and V written, one attention: 3 for
     sekv over a reused fixed set; 5 for full, whose mask is remade a layer); and sekv's memory code moves no more
     than a few rows a layer besides the attention (no copy of the resident set or its mask a step)."""
     from benchmarks.step_ops import count_steps, memories
-    from sekv_core.sekv import fixed_set
 
-    # the SDPA call's step (under TRITON_INTERPRET=1 the split-KV kernels' numpy emulation would be counted as aten
-    # calls; on CUDA they are two Triton launches in place of the one SDPA: tests/test_decode_kernel.py)
-    monkeypatch.setattr(fixed_set, "DECODE_KERNEL", False)
     geometry = {"heads": 8, "kv_heads": 2, "head_dim": 32, "hidden": 64, "kind": kind}
     counts = {}
     for layers in (2, 3):

@@ -12,7 +12,6 @@ PCIe.  A reused forward counts the stats its fill recorded (folded into the ledg
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -39,28 +38,6 @@ SDPA_LAYOUT = "gqa"
 #: SDPA torch 2.11 on an H200 picks cuDNN for it: docs/gpu.md, "The first token").  benchmarks/cli_probe.py sets
 #: this from $SEKV_PROBE_FILL_SDPA, to compare on a device
 FILL_SDPA_LAYOUT: str | None = "packed"
-
-#: a static single-token step (a captured decode step) attends by sekv/decode_kernel.py's split-KV kernels (flash
-#: decoding under the set's mask: programs along the keys, where the one SDPA call gives a thread block to a head)
-#: on CUDA where triton imports (and on the CPU under TRITON_INTERPRET=1: the tests); else by SDPA_LAYOUT's call
-DECODE_KERNEL = True
-_DECODE: list = []  # [the module, or None where triton does not import], once tried
-
-
-def decode_kernel(device, d: int):
-    """sekv/decode_kernel.py where DECODE_KERNEL is on and it runs on ``device`` for head_dim ``d``; else None."""
-    device = torch.device(device)
-    if not DECODE_KERNEL or not (device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")):
-        return None
-    if not _DECODE:
-        try:
-            from . import decode_kernel as dk
-        except Exception:  # no triton, or one that does not work here: SDPA
-            dk = None
-        _DECODE.append(dk)
-    dk = _DECODE[0]
-    return dk if dk is not None and dk.supported(d) else None
-
 
 #: the host's seconds in a fill's parts, summed over layers: the plan (made by the first layer), the fetch and
 #: rebuild (the tier's rows waited for included), the attention of the forward that filled (its masks, the SDPA call)
@@ -409,13 +386,6 @@ class FixedSets:
                 if shared:
                     plan["causal_mask"] = held
             mask = held[1]
-        if q == 1 and torch.is_tensor(lim):  # a static single-token step: split along the keys where the kernel runs
-            dk = decode_kernel(dev, query.shape[-1])
-            if dk is not None:
-                try:
-                    return dk.decode_attention(query, jk, jv, mask, scaling)
-                except Exception:  # noqa: BLE001 - a triton that cannot build the kernel here (the step's eager run,
-                    _DECODE[:] = [None]  # before any capture, meets it first): SDPA from now on
         how = FILL_SDPA_LAYOUT if q > 1 and FILL_SDPA_LAYOUT is not None else SDPA_LAYOUT
         if how == "packed":
             return grouped_attention(query, jk, jv, mask, scaling)
