@@ -26,8 +26,9 @@ static path runs eagerly, so what is captured is the code the CPU tests check.
 
 The model's own small kernels are most of a step's launches (a Llama layer: 7 projections, 2 norms of 8 kernels
 each, a rotary embedding of 10; benchmarks/step_ops.py counts them): a static step runs the norms as one
-``F.rms_norm`` each and the rotary embedding in 6 kernels (:func:`fused_ops`: the same arithmetic, rounded once
-where transformers' code rounds twice), so a captured layer has 20 of the model's kernels instead of ~43.
+``F.rms_norm`` each and the rotary embedding of q and k together in 4 kernels (:func:`fused_ops`: the same arithmetic,
+rounded once where transformers' code rounds twice), so a captured layer makes 17 of the model's calls instead of 37
+(tests/test_graphed_step.py bounds them).
 
 ``compile_layers=True`` also fuses the model's own small kernels (norms, rotary,
 activation, residual adds): inside a static step every decoder layer runs
