@@ -13,7 +13,7 @@
 #   profv  the same unprofiled and profiled per variant: VARIANTS="ARGS;ARGS;..." (e.g. --set MODULE.NAME=VALUE)
 #   t      the CUDA tests -> $OUT/cuda.log
 #   g8     gpu_cli on the 8B shape, sekv and full (LENS, default 131072; PAUSE, default 10; G8_ARGS more options of
-#          gpu_cli run, e.g. "--reuse-packs --answer-args --compile"; G8_TAG a suffix of its JSON's name)
+#          gpu_cli run, e.g. "--no-plain --reuse-packs --answer-args=--compile"; G8_TAG a suffix of its JSON's name)
 #   cl     compress's layer groups at 128K on the 8B KV geometry: stages and kernels (benchmarks/compress_layer.py; CL_ARGS)
 #   conv   join the real 0.5B's parts in /var/tmp/m, check the sha256 and convert it (once a lease)
 #   n17    the long-document needle cell with its coverage (NIAH_ARGS, SEED to change it)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -207,7 +208,7 @@ def _found(answer: str, expected: str) -> bool:
 
 def bench_doc(doc: dict, docs_dir: Path, method: str, a: argparse.Namespace, work: Path) -> dict:
     common = ["--model", a.model] + (["--device", a.device] if a.device else [])
-    answering = common + a.answer_args.split()  # `ask` and `chat` only
+    answering = common + shlex.split(a.answer_args)  # `ask` and `chat` only
     pack = work / f"{doc['name']}.{method}.sekv"
     rec: dict = {"doc": doc["name"], "length": doc["length"], "tokens": doc["tokens"], "method": method}
     if a.reuse_packs and pack.is_file():  # a pack this harness wrote before (same document and method): no ingest row
