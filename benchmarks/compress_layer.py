@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.compress_ops import random_prefill
+from benchmarks.knobs import add_set_option, apply_sets
 
 
 def _sync(dev: torch.device) -> None:
@@ -104,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernels", type=int, default=0, help="one more run under torch.profiler: the N kernels with the most device time")
     ap.add_argument("--cuda-path", action="store_true", help="on the CPU: CUDA's layer groups and subspace iteration")
     ap.add_argument("--out", default=None)
+    add_set_option(ap)
     a = ap.parse_args(argv)
+    sets = apply_sets(a.set)
     dev = torch.device(a.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     m, p, _, res, prefill_s = random_prefill(a.tokens, a.layers, a.kv_heads, a.head_dim, device=a.device, dtype=dtype)
@@ -118,19 +121,19 @@ def main(argv: list[str] | None = None) -> int:
     if a.cuda_path:  # CUDA's grouping and subspace iteration, on the CPU (restored at the end)
         sc.GROUP_ON_CPU, la.SUBSPACE_ON_CPU = True, True
     try:
-        return _runs(a, dev, m, p, res, prefill_s, sc, fz, la, HostCopies)
+        return _runs(a, dev, m, p, res, prefill_s, sc, fz, la, HostCopies, sets)
     finally:
         sc.GROUP_ON_CPU, la.SUBSPACE_ON_CPU = flags
 
 
-def _runs(a, dev, m, p, res, prefill_s, sc, fz, la, HostCopies) -> int:
+def _runs(a, dev, m, p, res, prefill_s, sc, fz, la, HostCopies, sets) -> int:
 
     seg = sc.segmentation(res, p)
     rec = {"device": str(dev), "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None, "torch": torch.__version__,
            "tokens": a.tokens, "layers": a.layers, "kv_heads": a.kv_heads, "head_dim": a.head_dim, "prefill_s": prefill_s,
            "spans": seg.n_spans, "span_len_mean": float(seg.span_len.float().mean()) if seg.n_spans else 0.0,
-           "span_len_max": int(seg.span_len.max()) if seg.n_spans else 0, "prepared": a.prepared, "runs": []}
-    with torch.inference_mode():
+           "span_len_max": int(seg.span_len.max()) if seg.n_spans else 0, "prepared": a.prepared, "set": sets, "runs": []}
+    with torch.no_grad():  # as `sekv ingest` runs compress: outside inference mode, on the prefill's inference tensors
         for _ in range(a.repeat):
             rec["runs"].append(one_run(res, p, dev, a.prepared))
             print(json.dumps(rec["runs"][-1]))

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.knobs import add_set_option, apply_sets
+
 from sekv_core.session import Session
 
 
@@ -282,16 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scout-chunk-bytes", type=int, default=None, help="SCOUT_CHUNK_BYTES (small: the chunking of a long context)")
     ap.add_argument("--device", default="cpu", help="cuda: the product's own path on the device, profiled with its kernels (--kernels)")
     ap.add_argument("--kernels", type=int, default=25, help="with --device cuda: the kernels with the most device time, per phase")
-    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                    help="set a module constant first (a Python literal), e.g. sekv_core.sekv.gpu_step.SCOUT_MAPPED_COPY=False")
+    add_set_option(ap)
     a = ap.parse_args(argv)
-    for item in a.set:
-        import ast
-        import importlib
-
-        target, value = item.split("=", 1)
-        mod, name = target.rsplit(".", 1)
-        setattr(importlib.import_module(mod), name, ast.literal_eval(value))
+    apply_sets(a.set)
     if a.device != "cpu":
         return device_profile(a)
     stack = a.by_function

@@ -120,14 +120,17 @@ class HostCopies:
         if rest or slots:
 
             def work():
-                if staged:  # the DMA into the staging half is done: a host memcpy into the arena
-                    done.synchronize()
-                    host = {k: dst.copy_(src) for k, (dst, src) in staged.items()}
+                # the thread's own grad mode is not the caller's: in inference mode here, an arena or staging memory
+                # made in inference mode (an inference tensor) takes the in-place copies too
+                with torch.inference_mode():
+                    if staged:  # the DMA into the staging half is done: a host memcpy into the arena
+                        done.synchronize()
+                        host = {k: dst.copy_(src) for k, (dst, src) in staged.items()}
+                        with torch.cuda.stream(self.stream):
+                            return host | {k: t.to("cpu") for k, t in rest.items()}
                     with torch.cuda.stream(self.stream):
+                        host = {k: dst.copy_(t) for k, (dst, t) in slots.items()}
                         return host | {k: t.to("cpu") for k, t in rest.items()}
-                with torch.cuda.stream(self.stream):
-                    host = {k: dst.copy_(t) for k, (dst, t) in slots.items()}
-                    return host | {k: t.to("cpu") for k, t in rest.items()}
 
             job = self.pool.submit(work)
             if staged:
