@@ -207,7 +207,7 @@ def _install() -> None:
         fixed_set.FILL_SDPA_LAYOUT = RECORD["fill_sdpa"] = os.environ["SEKV_PROBE_FILL_SDPA"]
 
     def note_ingest(r) -> None:
-        RECORD["ingest"] = {k: getattr(r, k) for k in ("n_tokens", "prefill_s", "compress_s", "write_s", "total_s", "pack_bytes", "raw_kv_fp16_bytes", "after_prefill_s", "written_in_prefill", "pipelined") if hasattr(r, k)}
+        RECORD["ingest"] = {k: getattr(r, k) for k in ("n_tokens", "prefill_s", "compress_s", "write_s", "total_s", "pack_bytes", "raw_kv_fp16_bytes", "after_prefill_s", "written_in_prefill", "pipelined", "warm_wait_s") if hasattr(r, k)}
 
     wrap(ing, "ingest", "ingest", after=note_ingest)
     _install_ingest_stages()

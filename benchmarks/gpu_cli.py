@@ -305,7 +305,8 @@ def summarize(rec: dict) -> dict:
     st = st or first.get("stats") or {}
     a0 = a0 or first
     ingest = ip.get("ingest") or {}
-    parts = [ingest.get(k) for k in ("prefill_s", "compress_s", "write_s")]
+    # the prefill's wait for the model's warm-up (prefill.WarmUp, beside the tokenization) counts as the ingest's
+    parts = [ingest.get(k) for k in ("prefill_s", "compress_s", "write_s")] + [ingest.get("warm_wait_s") or 0.0]
     plain = rec.get("plain") or {}
     return {
         "doc": rec["doc"],
@@ -316,6 +317,7 @@ def summarize(rec: dict) -> dict:
         "prefill_s": (ip.get("ingest") or {}).get("prefill_s"),
         "compress_s": ingest.get("compress_s"),
         "write_s": ingest.get("write_s"),
+        "warm_wait_s": ingest.get("warm_wait_s"),
         # the pipelined ingest writes during the prefill: what it adds after the prefill's end (= compress_s + write_s
         # for one window), and the pack bytes already written by then
         "after_prefill_s": ingest.get("after_prefill_s"),

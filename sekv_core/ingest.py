@@ -18,7 +18,7 @@ from .methods import scores
 from .methods.base import ModelShape, PrefillResult
 from .methods.params import Params
 from .pack import PackWriter, header_room, prepare_output, write_pack
-from .prefill import prefill_window
+from .prefill import WarmUp, prefill_window
 from .windows import Window
 
 #: tokens kept free after the document for the question and the answer
@@ -44,6 +44,8 @@ class IngestResult:
     written_in_prefill: int = 0
     pipelined: bool = False
     write_timeline: list = field(default_factory=list)
+    #: what the prefill waited for the model's warm-up (prefill.WarmUp) after the document was tokenized
+    warm_wait_s: float = 0.0
 
 
 def default_pack_path(doc: Path) -> Path:
@@ -179,6 +181,15 @@ def ingest(
     prefill.default_chunk, longer on a GPU).  offload_kv: the prefill's KV in host memory,
     chunk by chunk (sekv_core/kv_offload.py); None: when it would not fit the GPU."""
     t0 = time.perf_counter()
+    # the model's kernels loaded on a GPU while the document is read and tokenized
+    warm = WarmUp(lm.model if methods.get(method).needs_prefill else None)
+    try:
+        return _ingest(doc, out, lm, method, params, chunk, force, progress, system, rope_scaling, offload_kv, t0, warm)
+    finally:
+        warm.join()
+
+
+def _ingest(doc, out, lm, method, params, chunk, force, progress, system, rope_scaling, offload_kv, t0, warm) -> IngestResult:
     if not isinstance(doc, Document):
         doc = load_document(doc)
     cache_method = methods.get(method)
@@ -257,6 +268,8 @@ def ingest(
                 yield r
                 del r
 
+        tw = time.perf_counter()
+        warm.join()
         t1 = time.perf_counter()
         if cache_method.length_policy == "windowed":
             with stage("compress"):
@@ -294,7 +307,7 @@ def ingest(
     t4 = time.perf_counter()
     return IngestResult(out_path, len(ids), size, raw_fp16, prefill_s, t3 - t1 - prefill_s, t4 - t3, t4 - t0, method, params, len(plan),
                         after_prefill_s=t4 - (spent["end"] or t1), written_in_prefill=spent["written"], pipelined=writer is not None,
-                        write_timeline=_timeline(writer, t1))
+                        write_timeline=_timeline(writer, t1), warm_wait_s=t1 - tw)
 
 
 #: "0": the sequential ingest (prefill, then compress, then the pack's write), for comparisons

@@ -250,3 +250,50 @@ def prefill_window(
     surprisal = r.surprisal[drop:] if r.surprisal is not None else None
     return PrefillResult(r.token_ids[drop:], keys, values, surprisal, r.shape, scores=scores, model_fingerprint=r.model_fingerprint,
                          model_id=r.model_id, model=r.model, start=window.start, doc_tokens=len(ids))
+
+
+#: tokens of the warm-up forward (:func:`warm_up`): the surprisal's LM head block, so its shapes are the prefill's
+WARM_TOKENS = _HEAD_BLOCK_CUDA
+#: "0": no warm-up before `sekv ingest`'s prefill (comparisons)
+WARM_ENV = "SEKV_INGEST_WARM"
+
+
+class WarmUp:
+    """A short forward of the model on a GPU, on a thread of its own, while the caller does the CPU's work (reading
+    and tokenizing the document): the first forward of a process loads its kernels and makes the libraries' handles,
+    which otherwise the document's prefill waits for.  Its results are dropped; it holds no state of the prefill.
+    Nothing is done on a CPU, for a model across devices or with $SEKV_INGEST_WARM=0; a failure (out of memory) is
+    ignored: :meth:`join` only waits.  ``on``: the device types it warms (tests: the CPU's)."""
+
+    def __init__(self, model, on: tuple[str, ...] = ("cuda",)):
+        import threading
+
+        from . import placement
+
+        self.thread = None
+        if model is None or os.environ.get(WARM_ENV, "1") == "0":
+            return
+        devices = set(placement.layer_devices(model))
+        device = placement.input_device(model)
+        if device.type not in on or len(devices) > 1:
+            return
+        self.thread = threading.Thread(target=self._run, args=(model, device), name="sekv-warm-up", daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _run(model, device) -> None:
+        try:
+            ids = torch.zeros(WARM_TOKENS, dtype=torch.long)
+            if device.type == "cuda":
+                with torch.cuda.device(device):
+                    prefill(model, ids, with_surprisal=True, chunk=WARM_TOKENS, offload_kv=False)
+                    torch.cuda.synchronize(device)
+            else:
+                prefill(model, ids, with_surprisal=True, chunk=WARM_TOKENS, offload_kv=False)
+        except Exception:  # noqa: BLE001 - a warm-up: the prefill itself reports what is wrong
+            pass
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None

@@ -211,3 +211,36 @@ def test_cuda_the_pipelined_pack_holds_the_sequential_packs_tier_bit_for_bit(tin
             assert torch.equal(got[k], want[k]), k
     # the pipelined path ran; how much its writer thread wrote before a short prefill ended is timing, not a property
     assert pip.pipelined and not seq.pipelined
+
+
+def test_a_warm_up_beside_the_document_read_leaves_the_pack_as_it_was(lm, tmp_path, monkeypatch):
+    """prefill.WarmUp (on a GPU: a short forward on its own thread while the document is read and tokenized), here
+    made to run on the CPU: the pack is bit for bit the one of an ingest without it; a warm-up that fails is ignored."""
+    import functools
+
+    from sekv_core import ingest as ingest_mod
+    from sekv_core import prefill as prefill_mod
+
+    monkeypatch.setenv(prefill_mod.WARM_ENV, "0")
+    want, _ = _tensors(ingest(SAMPLE_MD, tmp_path / "cold.sekv", lm=lm, method="sekv").pack_path)
+    monkeypatch.setenv(prefill_mod.WARM_ENV, "1")
+    runs = []
+    real_run = prefill_mod.WarmUp._run
+
+    def counted(model, device):
+        runs.append(device)
+        real_run(model, device)
+
+    monkeypatch.setattr(prefill_mod.WarmUp, "_run", staticmethod(counted))
+    monkeypatch.setattr(ingest_mod, "WarmUp", functools.partial(prefill_mod.WarmUp, on=("cpu",)))
+    got, _ = _tensors(ingest(SAMPLE_MD, tmp_path / "warm.sekv", lm=lm, method="sekv").pack_path)
+    assert runs == [torch.device("cpu")]
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+    def broken(*a, **k):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(prefill_mod, "prefill", broken)  # the warm-up's forward fails
+    w = prefill_mod.WarmUp(lm.model, on=("cpu",))
+    w.join()
+    assert w.thread is None
