@@ -196,6 +196,8 @@ times carry the profiler's overhead); the asks before it give the times without 
 
         gpu_step.SCOUT_CHUNK_BYTES = a.scout_chunk_bytes
     s = Session.open(a.pack, model=a.model, device=a.device)
+    if s.rehearse():  # as `sekv chat` does before its first question (and the scout's Triton kernel is taken after it)
+        s.settle()
     mem, dev = s.memory, torch.device(a.device)
     results = []
     for k in range(a.asks):

@@ -193,6 +193,8 @@ class Session:
         if rehearsal:
             q_ids = q_ids[rehearsal:]
         models.set_rope_scaling(self.lm, self.rope_factor)
+        if hasattr(self.memory, "fused_scout"):  # the scout's Triton kernel once a rehearsal has compiled it (sekv/memory.py)
+            self.memory.fused_scout = rehearsal is not None or self.rehearsal_s is not None
         window, reserve = self.window, len(q_ids) + max_new_tokens
         self.start = start_ask(self.memory, self.start, window, reserve)
         used = self.memory.window_tokens()  # the question's position; rag: the most it prefills before the question

@@ -415,3 +415,20 @@ def test_cuda_first_sekv_question_after_the_first_layer_rehearsal_loads_no_kerne
         s.ask(QUESTIONS[0], max_new_tokens=1)  # to the first token (the decode steps' graphs come after it)
     loads = lazy_loads(prof)
     assert not loads, f"{len(loads)} lazy loads\n" + "\n".join(loads)
+
+
+def test_the_scouts_triton_kernel_waits_for_a_rehearsal(packs, lm, monkeypatch):
+    """The fused scout kernel (gpu_step.SCOUT_FUSED) is compiled by Triton at its first use in a process (seconds a
+    specialization): a session's question takes it only once a rehearsal has run it; a question without one (a single
+    `sekv ask`) takes the PyTorch path, with the same answer."""
+    from sekv_core.sekv import gpu_step
+
+    asked = []
+    monkeypatch.setattr(gpu_step, "scout_kernel", lambda device, d: asked.append(d))  # None: the PyTorch path all the same
+    s = _open(packs["sekv"], lm, True)
+    cold = s.ask(QUESTIONS[0], max_new_tokens=4)
+    assert asked == [] and s.memory.fused_scout is False
+    assert s.rehearse(force=True)
+    warm = s.ask(QUESTIONS[0], max_new_tokens=4)
+    assert asked and s.memory.fused_scout is True  # the rehearsal's questions and this one
+    assert warm.token_ids == cold.token_ids

@@ -349,6 +349,7 @@ def take_blocks(store, device) -> "BlockBuild | None":
 class BatchedStep:
     def __init__(self, res: Residents, ledger: ZoomLedger, ranking: Ranking | None, blocks: list[fb.Blocks] | None = None):
         self.res, self.ledger, self.ranking = res, ledger, ranking
+        self.fused_scout = True  # the scout's Triton kernel where it runs (scout_kernel); ZoomMemory sets it a question
         sh = res.shape
         self.d, self.hkv, self.L = sh.head_dim, sh.n_kv_heads, sh.n_layers
         self.blocks = build_blocks(res) if blocks is None else blocks
@@ -676,7 +677,7 @@ class BatchedStep:
             q_all = q_all[..., self._pairs_order(r.device)]
         other = torch.stack(others)  # [L, Hkv, M]
         m, n_max = q_all.shape[2], max(b.n_max for b in self.blocks)
-        fused = scout_kernel(r.device, self.d)
+        fused = scout_kernel(r.device, self.d) if self.fused_scout else None
         jobs = self._scout_jobs(ids, S, m, n_max, fused is not None)
         held = self._scout_tables(r, n_max)
         if fused is not None and "start" not in held:  # each (span, block)'s rows, what the kernel reads

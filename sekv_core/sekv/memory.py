@@ -61,6 +61,10 @@ class ZoomMemory(KVMemory):
         #: a rehearsal (rehearse_layer, Session.rehearse): the question's branches run where its text takes none (the
         #: look-alikes' demotion with none to demote), so that their kernels are loaded for the questions to come
         self.rehearsing = False
+        #: the scout's fused kernel (gpu_step.SCOUT_FUSED) allowed for this question: Triton compiles it at its first
+        #: use in a process, seconds a specialization, so a session takes it once its rehearsal has made it
+        #: (Session._ask); a single question takes the PyTorch path
+        self.fused_scout = True
         #: the batched step's blocks, built on a second thread from now on (sekv/gpu_step.py BlockBuild), or taken up
         #: from the build started for this pack before the model loaded (gpu_step.start_blocks; one device only)
         self._blocks, self._early = None, False
@@ -239,6 +243,7 @@ class ZoomMemory(KVMemory):
             t1 = time.perf_counter()
             if self._scouted:  # the batched step scores every layer's blocks at once, after the forward
                 qs, exact, scaling = zip(*self._scouted)
+                self.step.fused_scout = self.fused_scout
                 self.ranking.add_masses(self.step.scout_masses(list(qs), list(exact), scaling[0]))
                 if self.pinning is not None:
                     self.pinning.touch()
