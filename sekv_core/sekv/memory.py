@@ -442,6 +442,7 @@ def rehearse_layer(store, params: SekvParams, shape: ModelShape, device, blocks:
     part = dataclasses.replace(shape, n_layers=n_layers)
     mem = ZoomMemory(_FirstLayers(store, n_layers), params, part, device, blocks=blocks[:n_layers])
     mem.rehearsing = True
+    mem.fused_scout = False  # the way a first question takes (the fused kernel only after a session's rehearsal)
     if batched is not None:
         mem.batched = batched
     dev, h, hkv, d = mem.device, shape.n_heads, shape.n_kv_heads, shape.head_dim
