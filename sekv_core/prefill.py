@@ -252,7 +252,7 @@ def prefill_window(
                          model_id=r.model_id, model=r.model, start=window.start, doc_tokens=len(ids))
 
 
-#: tokens of the warm-up forward (:func:`warm_up`): the surprisal's LM head block, so its shapes are the prefill's
+#: tokens of the warm-up forward (:class:`WarmUp`): the surprisal's LM head block, so its shapes are the prefill's
 WARM_TOKENS = _HEAD_BLOCK_CUDA
 #: "0": no warm-up before `sekv ingest`'s prefill (comparisons)
 WARM_ENV = "SEKV_INGEST_WARM"
@@ -282,14 +282,14 @@ class WarmUp:
 
     @staticmethod
     def _run(model, device) -> None:
+        import contextlib
+
+        cuda = device.type == "cuda"
         try:
-            ids = torch.zeros(WARM_TOKENS, dtype=torch.long)
-            if device.type == "cuda":
-                with torch.cuda.device(device):
-                    prefill(model, ids, with_surprisal=True, chunk=WARM_TOKENS, offload_kv=False)
+            with torch.cuda.device(device) if cuda else contextlib.nullcontext():
+                prefill(model, torch.zeros(WARM_TOKENS, dtype=torch.long), with_surprisal=True, chunk=WARM_TOKENS, offload_kv=False)
+                if cuda:
                     torch.cuda.synchronize(device)
-            else:
-                prefill(model, ids, with_surprisal=True, chunk=WARM_TOKENS, offload_kv=False)
         except Exception:  # noqa: BLE001 - a warm-up: the prefill itself reports what is wrong
             pass
 
