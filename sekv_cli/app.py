@@ -160,6 +160,10 @@ def main() -> None:
         rc = 130
     except BrokenPipeError:  # `sekv ... | head`
         rc = 0
+    finally:  # a pack's temporary file an interrupt left (one landing before the code that would remove it)
+        pack = sys.modules.get("sekv_core.pack")
+        if pack is not None:
+            pack.discard_unfinished()
     sys.exit(rc if isinstance(rc, int) else 0)
 
 

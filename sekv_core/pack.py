@@ -21,6 +21,7 @@ little-endian numbers (no pickle).  Writes are atomic: a temporary file in the t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -28,9 +29,11 @@ import mmap
 import os
 import re
 import shutil
+import signal
 import stat
 import struct
 import tempfile
+import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -122,6 +125,35 @@ def _finish_digest(futures: list) -> str:
 # -- writing --------------------------------------------------------------------------------------------------
 
 
+#: temporary files of output slots neither renamed onto their pack nor discarded yet (discard_unfinished)
+_UNFINISHED: set[Path] = set()
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Ctrl-C / SIGTERM wait until the block is done (on the main thread; elsewhere nothing changes): a temporary
+    file is made and registered in one step, so an interrupt cannot land between the two."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, held) if threading.current_thread() is threading.main_thread() else None
+    except (AttributeError, OSError, ValueError):
+        old = None
+    try:
+        yield
+    finally:
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def discard_unfinished() -> None:
+    """Remove every output slot's temporary file not yet renamed onto its pack: the CLI's last step when a command
+    ends by an error, Ctrl-C or SIGTERM, wherever the interrupt landed (even between a slot's making and the
+    ``try`` that would discard it)."""
+    for tmp in list(_UNFINISHED):
+        tmp.unlink(missing_ok=True)
+        _UNFINISHED.discard(tmp)
+
+
 @dataclass
 class OutputSlot:
     """A pack's destination, checked and reserved before the (long) work that produces it: the temporary file
@@ -132,6 +164,11 @@ class OutputSlot:
 
     def discard(self) -> None:
         self.tmp.unlink(missing_ok=True)
+        _UNFINISHED.discard(self.tmp)
+
+    def done(self) -> None:
+        """The temporary file became the pack (renamed)."""
+        _UNFINISHED.discard(self.tmp)
 
 
 def is_pack_file(path: Path) -> bool:
@@ -184,11 +221,13 @@ def prepare_output(path: str | Path, *, force: bool = False, inputs: Sequence[st
             raise SekvError(
                 f"{shown}: {parent} has {free / 2**20:.0f} MiB free, the pack needs up to about {needed_bytes / 2**20:.0f} MiB; free space or choose another -o path"
             )
-    try:
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as e:
-        raise SekvError(f"{shown}: cannot write in {parent} ({e.strerror or type(e).__name__}); choose another -o path") from None
-    os.close(fd)
+    with _signals_held():
+        try:
+            fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
+        except OSError as e:
+            raise SekvError(f"{shown}: cannot write in {parent} ({e.strerror or type(e).__name__}); choose another -o path") from None
+        os.close(fd)
+        _UNFINISHED.add(Path(tmp))
     return OutputSlot(path, Path(tmp))
 
 
@@ -452,6 +491,7 @@ class PackWriter:
             os.close(self.fd)
             self.fd = -1
             os.replace(self.slot.tmp, self.path)
+            self.slot.done()
             self._closed = True
         except OSError as e:
             self.abort()
@@ -463,7 +503,9 @@ class PackWriter:
 
     def _relocate(self, head: bytes) -> None:
         """The header outgrew its room: a new temporary file with the header, then the data region copied in."""
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        with _signals_held():
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+            _UNFINISHED.add(Path(tmp))
         try:
             _pwrite_all(fd, head, 0)
             left, src, dst = self.end, self.head, len(head)
@@ -475,10 +517,10 @@ class PackWriter:
                 left, src, dst = left - n, src + n, dst + n
         except BaseException:
             os.close(fd)
-            os.unlink(tmp)
+            OutputSlot(self.path, Path(tmp)).discard()
             raise
         os.close(self.fd)
-        os.unlink(self.slot.tmp)
+        self.slot.discard()
         self.fd, self.slot = fd, OutputSlot(self.path, Path(tmp))
 
     def abort(self) -> None:

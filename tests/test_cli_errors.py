@@ -156,3 +156,33 @@ def test_sigterm_during_ingest_leaves_nothing(tmp_path, tiny_qwen):
     assert proc.returncode == 143, err
     assert "Traceback" not in err and "sekv: terminated" in err
     assert not out_path.exists() and not list(tmp_path.glob(".big*"))
+
+
+# SIGTERM sent to the process itself the moment the output slot is reserved, before the ingest's own try/discard
+_TERM_AT_RESERVE = """
+import os, signal, time
+import sekv_core.ingest as ingest
+real = ingest.prepare_output
+def reserve_then_term(*a, **k):
+    slot = real(*a, **k)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+    return slot
+ingest.prepare_output = reserve_then_term
+from sekv_cli.app import main
+main()
+"""
+
+
+def test_sigterm_right_after_the_slot_is_reserved_leaves_nothing(tmp_path, tiny_qwen):
+    """The interrupt lands between the temporary file's making and the code that would remove it (the race the
+    test above can hit): the entry point still removes it."""
+    doc = tmp_path / "doc.md"
+    doc.write_text(SAMPLE_MD.read_text()[:2000])
+    out_path = tmp_path / "doc.sekv"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", _TERM_AT_RESERVE, "ingest", str(doc), "-o", str(out_path), "--model", str(tiny_qwen),
+                           "--method", "sekv"], capture_output=True, env=env, text=True, timeout=120)
+    assert proc.returncode == 143, proc.stderr
+    assert "Traceback" not in proc.stderr and "sekv: terminated" in proc.stderr
+    assert not out_path.exists() and not list(tmp_path.glob(".doc*"))
