@@ -21,19 +21,17 @@ little-endian numbers (no pickle).  Writes are atomic: a temporary file in the t
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import hashlib
 import json
 import math
 import mmap
 import os
 import re
+import secrets
 import shutil
-import signal
 import stat
 import struct
-import tempfile
-import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -129,20 +127,22 @@ def _finish_digest(futures: list) -> str:
 _UNFINISHED: set[Path] = set()
 
 
-@contextlib.contextmanager
-def _signals_held():
-    """Ctrl-C / SIGTERM wait until the block is done (on the main thread; elsewhere nothing changes): a temporary
-    file is made and registered in one step, so an interrupt cannot land between the two."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    try:
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, held) if threading.current_thread() is threading.main_thread() else None
-    except (AttributeError, OSError, ValueError):
-        old = None
-    try:
-        yield
-    finally:
-        if old is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+def _new_temp(parent: Path, name: str) -> tuple[int, Path]:
+    """A new temporary file ``.NAME.RANDOM.tmp`` in ``parent``, opened read-write (mode 0600, as mkstemp makes it):
+    (fd, path).  Its path is registered (discard_unfinished) before the file exists, so an interrupt landing
+    anywhere in here or after it leaves nothing the entry point does not remove.  OSError as os.open raises it."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = parent / f".{name}.{secrets.token_hex(8)}.tmp"
+        _UNFINISHED.add(tmp)
+        try:
+            return os.open(tmp, flags, 0o600), tmp
+        except FileExistsError:  # another process's name: not ours to remove
+            _UNFINISHED.discard(tmp)
+        except OSError:
+            _UNFINISHED.discard(tmp)
+            raise
+    raise FileExistsError(errno.EEXIST, "no free temporary file name", str(parent))
 
 
 def discard_unfinished() -> None:
@@ -221,14 +221,12 @@ def prepare_output(path: str | Path, *, force: bool = False, inputs: Sequence[st
             raise SekvError(
                 f"{shown}: {parent} has {free / 2**20:.0f} MiB free, the pack needs up to about {needed_bytes / 2**20:.0f} MiB; free space or choose another -o path"
             )
-    with _signals_held():
-        try:
-            fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
-        except OSError as e:
-            raise SekvError(f"{shown}: cannot write in {parent} ({e.strerror or type(e).__name__}); choose another -o path") from None
-        os.close(fd)
-        _UNFINISHED.add(Path(tmp))
-    return OutputSlot(path, Path(tmp))
+    try:
+        fd, tmp = _new_temp(parent, path.name)
+    except OSError as e:
+        raise SekvError(f"{shown}: cannot write in {parent} ({e.strerror or type(e).__name__}); choose another -o path") from None
+    os.close(fd)
+    return OutputSlot(path, tmp)
 
 
 def write_pack(path: Path, manifest: dict[str, Any], tensors: dict[str, torch.Tensor], slot: OutputSlot | None = None) -> int:
@@ -503,9 +501,7 @@ class PackWriter:
 
     def _relocate(self, head: bytes) -> None:
         """The header outgrew its room: a new temporary file with the header, then the data region copied in."""
-        with _signals_held():
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-            _UNFINISHED.add(Path(tmp))
+        fd, tmp = _new_temp(self.path.parent, self.path.name)
         try:
             _pwrite_all(fd, head, 0)
             left, src, dst = self.end, self.head, len(head)
@@ -517,11 +513,11 @@ class PackWriter:
                 left, src, dst = left - n, src + n, dst + n
         except BaseException:
             os.close(fd)
-            OutputSlot(self.path, Path(tmp)).discard()
+            OutputSlot(self.path, tmp).discard()
             raise
         os.close(self.fd)
         self.slot.discard()
-        self.fd, self.slot = fd, OutputSlot(self.path, Path(tmp))
+        self.fd, self.slot = fd, OutputSlot(self.path, tmp)
 
     def abort(self) -> None:
         """Stop, and remove the temporary file (an error or an interrupt anywhere in the ingest)."""

@@ -206,6 +206,31 @@ def test_output_checks(tmp_path):
         ro.chmod(0o700)
 
 
+def test_interrupted_reservation_and_writes_leave_nothing(tmp_path, monkeypatch):
+    """Temporary files are known before they exist: an interrupt landing just after the file is made (before any
+    caller could hold it), or in a writer that never finishes, is cleaned by discard_unfinished; a finished pack
+    and another process's file of the same pattern are left alone."""
+    real_open = os.open
+
+    def open_then_interrupt(*a, **k):
+        fd = real_open(*a, **k)
+        os.close(fd)
+        raise KeyboardInterrupt  # the signal's handler runs right after the system call
+
+    monkeypatch.setattr(packmod.os, "open", open_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        packmod.prepare_output(tmp_path / "a.sekv")
+    monkeypatch.setattr(packmod.os, "open", real_open)
+    assert len(list(tmp_path.glob(".a.sekv.*.tmp"))) == 1
+    theirs = tmp_path / ".b.sekv.0123456789abcdef.tmp"
+    theirs.write_text("another process's")
+    slot = packmod.prepare_output(tmp_path / "c.sekv")  # made, then dropped without discard (an interrupted caller)
+    assert slot.tmp.exists()
+    packmod.write_pack(tmp_path / "d.sekv", _manifest(), _tensors())
+    packmod.discard_unfinished()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [theirs.name, "d.sekv"]
+
+
 def test_model_check(tmp_path):
     path = tmp_path / "x.sekv"
     m = dict(_manifest(), model={"id": "a", "fingerprint": "f" * 64, "tokenizer_fingerprint": "t" * 64})
