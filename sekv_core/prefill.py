@@ -8,7 +8,9 @@ same forward's logits (the LM head is applied in row blocks so the
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from typing import Callable, Sequence
 
 import torch
@@ -266,8 +268,6 @@ class WarmUp:
     ignored: :meth:`join` only waits.  ``on``: the device types it warms (tests: the CPU's)."""
 
     def __init__(self, model, on: tuple[str, ...] = ("cuda",)):
-        import threading
-
         from . import placement
 
         self.thread = None
@@ -282,8 +282,6 @@ class WarmUp:
 
     @staticmethod
     def _run(model, device) -> None:
-        import contextlib
-
         cuda = device.type == "cuda"
         try:
             with torch.cuda.device(device) if cuda else contextlib.nullcontext():
